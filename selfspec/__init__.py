@@ -1,0 +1,24 @@
+"""selfspec: self-speculative decoding with exact tree verification for transformers causal LMs.
+
+Public API::
+
+    model, tok = selfspec.load_target("smollm2-135m-instruct")
+    drafter = selfspec.build_drafter(model, "ngram")
+    out = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=128)
+    out.sequences, out.stats.mean_accepted_length
+"""
+
+from .drafters import DraftContext, Drafter, TargetSignature, build_drafter, register
+from .engine import SpecOutput, generate
+from .loading import DEFAULT_TARGET, load_target
+from .metrics import SpecStats
+from .sampling import SamplingConfig
+from .tree import DraftTree, Law, TreeBuilder, TreeTemplate
+from .verify import Verdict, verify_tree
+
+__all__ = [
+    "DEFAULT_TARGET", "DraftContext", "DraftTree", "Drafter", "Law", "SamplingConfig", "SpecOutput",
+    "SpecStats", "TargetSignature", "TreeBuilder", "TreeTemplate", "Verdict", "build_drafter",
+    "generate", "load_target", "register", "verify_tree",
+]
+__version__ = "0.1.0"

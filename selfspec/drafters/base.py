@@ -1,0 +1,103 @@
+"""The drafter interface: propose a draft tree from the target's state; observe the result.
+
+A drafter never loads models and never runs the decode loop. Per verification step the engine
+calls ``propose(ctx)`` and, after verification, ``observe(ctx, tree, verdict)``. A new drafter is
+a small class::
+
+    class MyDrafter(Drafter):
+        kind = "mine"
+        def propose(self, ctx: DraftContext) -> DraftTree:
+            b = TreeBuilder(ctx.root_token)
+            b.add(0, guess_next(ctx.tokens))       # a point-mass child of the root
+            return b.build()
+
+registered with :func:`selfspec.drafters.register`. Sampled children must record their law and
+draft distribution in the tree (see :mod:`selfspec.tree`); the verifier does the rest.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..sampling import SamplingConfig
+from ..tree import DraftTree
+from ..verify import Verdict
+
+
+@dataclass(frozen=True)
+class TargetSignature:
+    """What a drafter must agree on with the target it drafts for."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+
+    @classmethod
+    def of(cls, model) -> "TargetSignature":
+        cfg = model.config.get_text_config(decoder=True)
+        return cls(cfg.model_type, int(cfg.vocab_size), int(cfg.hidden_size), int(cfg.num_hidden_layers))
+
+    def check(self, model, what: str = "drafter") -> None:
+        """Raise ``ValueError`` naming each field where ``model`` differs from this signature."""
+        other = TargetSignature.of(model)
+        diffs = [
+            f"{k}: built for {v!r}, target has {getattr(other, k)!r}"
+            for k, v in asdict(self).items()
+            if getattr(other, k) != v
+        ]
+        if diffs:
+            raise ValueError(f"this {what} was built for another model ({'; '.join(diffs)})")
+
+
+@dataclass
+class DraftContext:
+    """What the engine tells a drafter at each step.
+
+    Attributes:
+        tokens: ``[L]`` every token so far (prompt + generated); ``tokens[-1]`` is the root.
+        root_hidden: ``[H]`` the target's last hidden state at the node whose prediction produced
+            the root (``None`` on the first step, or when the drafter does not need it).
+        max_depth: deepest draft the engine can use this step (token and context budget).
+        sampling: the target's sampling parameters (drafts may use their own).
+        generator: the generator for any sampled draft.
+    """
+
+    tokens: torch.Tensor
+    root_hidden: torch.Tensor | None
+    max_depth: int
+    sampling: SamplingConfig
+    generator: torch.Generator
+
+    @property
+    def root_token(self) -> int:
+        return int(self.tokens[-1])
+
+
+class Drafter(ABC):
+    """Base class of all drafters. Subclasses set ``kind`` and implement :meth:`propose`."""
+
+    kind: str = "abstract"
+    #: True when :meth:`propose` reads ``ctx.root_hidden`` (the engine then keeps hidden states).
+    needs_hidden: bool = False
+
+    def __init__(self, signature: TargetSignature | None = None):
+        self.signature = signature
+
+    def check_target(self, model) -> None:
+        """Raise ``ValueError`` when this drafter was built for another model."""
+        if self.signature is not None:
+            self.signature.check(model, what=f"{self.kind} drafter")
+
+    def reset(self) -> None:
+        """Called at the start of every generation."""
+
+    @abstractmethod
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        """Return a draft tree rooted at ``ctx.root_token`` with depth <= ``ctx.max_depth``."""
+
+    def observe(self, ctx: DraftContext, tree: DraftTree, verdict: Verdict) -> None:
+        """Called after each verification (for adaptive drafters); default does nothing."""

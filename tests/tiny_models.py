@@ -1,0 +1,44 @@
+"""Tiny random causal LMs of each supported family, built in code (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def tiny_model(family: str = "llama", *, vocab: int = 64, seed: int = 0, dtype=torch.float64):
+    """A 2-3 layer random model in eval mode; sliding-window families get a window of 5."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **common))
+    elif family == "qwen2":
+        cfg = Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=5,
+                          max_window_layers=1, **common)
+        model = Qwen2ForCausalLM(cfg)
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, head_dim=8, **common))
+    elif family == "gemma3":
+        cfg = Gemma3TextConfig(num_hidden_layers=3, head_dim=8, sliding_window=5,
+                               layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                               query_pre_attn_scalar=8, final_logit_softcapping=30.0, **common)
+        model = Gemma3ForCausalLM(cfg)
+    else:
+        raise ValueError(family)
+    model.config._attn_implementation = "sdpa"
+    return model.to(dtype).eval()
