@@ -1,0 +1,114 @@
+"""Stub targets and drafters for the exactness tests (no HF model needed where noted)."""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.drafters.base import DraftContext, Drafter
+from selfspec.target import TreeOutput
+from selfspec.tree import DraftTree, Law, TreeBuilder
+
+
+class TableTarget:
+    """A cheap target: logits depend on the last two tokens through a fixed random table.
+
+    Implements the ``prefill / forward_tree / commit / prefix_len`` protocol of ``TreeTarget``.
+    """
+
+    def __init__(self, vocab: int = 6, seed: int = 0, scale: float = 2.0):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab, vocab, vocab, generator=g, dtype=torch.float64) * scale
+        self.committed: list[int] = []
+
+    def logits_after(self, context: list[int]) -> torch.Tensor:
+        return self.table[context[-2], context[-1]]
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.committed)
+
+    def prefill(self, ids: torch.Tensor) -> None:
+        self.committed = ids[:-1].tolist()
+
+    def forward_tree(self, tree: DraftTree) -> TreeOutput:
+        self._tree = tree
+        toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+        paths: list[list[int]] = []
+        for i, p in enumerate(parents):
+            paths.append((paths[p] if p >= 0 else self.committed) + [toks[i]])
+        return TreeOutput(torch.stack([self.logits_after(c) for c in paths]), None)
+
+    def commit(self, path: list[int], prefix_len: int) -> None:
+        assert prefix_len == len(self.committed)
+        self.committed += self._tree.tokens[path].tolist()
+
+
+def table_target(vocab: int = 6, seed: int = 0) -> TableTarget:
+    return TableTarget(vocab, seed)
+
+
+class ScriptedDrafter(Drafter):
+    """Drafts a poor tree with every kind of child law, depth 2.
+
+    Root children: ``point`` deterministic tokens, then ``sampled`` tokens drawn from a draft law q
+    (``law`` IID or WOR); under the first root child, ``sampled`` more children drawn the same way.
+    q is a softmax of a fixed random table (unrelated to the target) so rejections are frequent.
+    """
+
+    kind = "scripted"
+
+    def __init__(self, vocab: int, *, point: int = 1, sampled: int = 2, law: Law = Law.WOR, seed: int = 1):
+        super().__init__(None)
+        g = torch.Generator().manual_seed(seed)
+        self.q_table = (torch.randn(vocab, vocab, generator=g, dtype=torch.float64) * 1.5).softmax(-1)
+        self.point_table = torch.randint(0, vocab, (vocab, max(point, 1)), generator=g)
+        self.point, self.sampled, self.law = point, sampled, law
+
+    def _add_children(self, b: TreeBuilder, node: int, last: int, gen: torch.Generator) -> list[int]:
+        made = []
+        for j in range(self.point):
+            made.append(b.add(node, int(self.point_table[last, j]), Law.POINT))
+        if self.sampled:
+            q = self.q_table[last]
+            b.set_draft_probs(node, q)
+            if self.law == Law.IID:
+                draws = torch.multinomial(q, self.sampled, replacement=True, generator=gen).tolist()
+            else:
+                base = q.clone()
+                base[[b._tokens[m] for m in made]] = 0  # WOR: exclude the earlier siblings
+                draws = torch.multinomial(base / base.sum(), self.sampled, replacement=False, generator=gen).tolist()
+            made += [b.add(node, t, self.law) for t in draws]
+        return made
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        b = TreeBuilder(ctx.root_token)
+        if ctx.max_depth >= 1:
+            kids = self._add_children(b, 0, ctx.root_token, ctx.generator)
+            if ctx.max_depth >= 2 and kids:
+                self._add_children(b, kids[0], b._tokens[kids[0]], ctx.generator)
+        return b.build()
+
+
+class OracleDrafter(Drafter):
+    """Drafts from a known reference continuation: a chain of ``depth`` tokens plus a wrong sibling
+    at every level. ``corrupt(pos)`` may alter the drafted token at absolute position ``pos``."""
+
+    kind = "oracle"
+
+    def __init__(self, reference: list[int], vocab: int, depth: int = 4, corrupt=None, sibling: bool = True):
+        super().__init__(None)
+        self.reference, self.vocab, self.depth = reference, vocab, depth
+        self.corrupt = corrupt or (lambda pos, tok: tok)
+        self.sibling = sibling
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        b = TreeBuilder(ctx.root_token)
+        node, pos = 0, ctx.tokens.shape[0]
+        for d in range(min(self.depth, ctx.max_depth)):
+            if pos + d >= len(self.reference):
+                break
+            tok = self.corrupt(pos + d, self.reference[pos + d])
+            if self.sibling:
+                b.add(node, (tok + 1) % self.vocab)
+            node = b.add(node, tok)
+        return b.build()

