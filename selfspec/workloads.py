@@ -1,0 +1,78 @@
+"""Prompt sets in the field's formats, as chat conversations.
+
+* Spec-Bench / MT-Bench question files (JSON Lines: ``question_id``, ``category``, ``turns``);
+  multi-turn questions are replayed turn by turn by the benchmark.
+* BFCL tool-calling files (JSON Lines: ``id``, ``question`` = list of message lists, ``function``
+  = JSON-schema tool list); the tool list is rendered into the system message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TOOL_SYSTEM = (
+    "You are a function-calling assistant. You can call these functions (JSON schema):\n{tools}\n"
+    "Answer with the function call as JSON: {{\"name\": ..., \"arguments\": {{...}}}}."
+)
+
+
+@dataclass(frozen=True)
+class Question:
+    """One conversation: user ``turns`` in order, an optional ``system`` message."""
+
+    question_id: str
+    category: str
+    turns: tuple[str, ...]
+    system: str | None = None
+    meta: dict = field(default_factory=dict, compare=False)
+
+
+def _jsonl(path: str | Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_spec_bench(path: str | Path) -> list[Question]:
+    """Questions from a Spec-Bench-format file (MT-Bench's ``question.jsonl`` is one)."""
+    out = []
+    for rec in _jsonl(path):
+        if "turns" not in rec or "category" not in rec:
+            raise ValueError(f"{path}: not a Spec-Bench question file (needs 'turns' and 'category')")
+        out.append(Question(str(rec["question_id"]), rec["category"], tuple(rec["turns"])))
+    return out
+
+
+def tool_system_message(functions: list[dict]) -> str:
+    return TOOL_SYSTEM.format(tools=json.dumps(functions, indent=1))
+
+
+def load_bfcl(path: str | Path, category: str = "tool_call") -> list[Question]:
+    """Questions from a BFCL file; user turns are the user messages of the first conversation."""
+    out = []
+    for rec in _jsonl(path):
+        if "question" not in rec or "function" not in rec:
+            raise ValueError(f"{path}: not a BFCL file (needs 'question' and 'function')")
+        turns = tuple(m["content"] for m in rec["question"][0] if m["role"] == "user")
+        out.append(Question(str(rec["id"]), category, turns, tool_system_message(rec["function"])))
+    return out
+
+
+def load_questions(path: str | Path) -> list[Question]:
+    """Load either format, told apart by the first record's fields."""
+    first = _jsonl(path)[:1]
+    if first and "function" in first[0]:
+        return load_bfcl(path)
+    return load_spec_bench(path)
+
+
+def take_per_category(questions: list[Question], n: int) -> list[Question]:
+    """The first ``n`` questions of each category, in file order."""
+    counts: dict[str, int] = {}
+    out = []
+    for q in questions:
+        if counts.get(q.category, 0) < n:
+            counts[q.category] = counts.get(q.category, 0) + 1
+            out.append(q)
+    return out
