@@ -8,7 +8,7 @@ Public API::
     out.sequences, out.stats.mean_accepted_length
 """
 
-from .drafters import DraftContext, Drafter, TargetSignature, build_drafter, register
+from .drafters import DraftContext, Drafter, TargetSignature, build_drafter, load_drafter, register, save_drafter
 from .engine import SpecOutput, generate
 from .loading import DEFAULT_TARGET, load_target
 from .metrics import SpecStats
@@ -19,6 +19,6 @@ from .verify import Verdict, verify_tree
 __all__ = [
     "DEFAULT_TARGET", "DraftContext", "DraftTree", "Drafter", "Law", "SamplingConfig", "SpecOutput",
     "SpecStats", "TargetSignature", "TreeBuilder", "TreeTemplate", "Verdict", "build_drafter",
-    "generate", "load_target", "register", "verify_tree",
+    "generate", "load_drafter", "load_target", "register", "save_drafter", "verify_tree",
 ]
 __version__ = "0.1.0"

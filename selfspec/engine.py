@@ -113,10 +113,10 @@ def decode(
     length = ids.shape[0]
     if drafter is not None:
         drafter.reset()
-    target.prefill(ids)
+    root_hidden = target.prefill(ids)
     _sync(target)
     stats.prefill_time_s = time.perf_counter() - start
-    root_hidden, finish = None, "length"
+    finish = "length"
     while stats.new_tokens < max_new_tokens:
         budget = min(max_new_tokens - stats.new_tokens, context_limit - length)
         if budget < 1:

@@ -66,11 +66,18 @@ class TreeTarget:
         return cache_length(self.cache)
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor) -> None:
-        """Cache ``ids[:-1]`` (``ids``: ``[L]``); the last token is the first root."""
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Cache ``ids[:-1]`` (``ids``: ``[L]``); the last token is the first root.
+
+        Returns the last hidden state ``[H]`` at position ``L - 2`` (the one that predicted the
+        root) when hidden states are wanted and the prompt has two tokens or more, else ``None``.
+        """
         self.cache = new_cache()
-        if ids.shape[0] > 1:
-            self.model(input_ids=ids[None, :-1].to(self.device), cache=self.cache, use_cache=True)
+        if ids.shape[0] < 2:
+            return None
+        out = self.model(input_ids=ids[None, :-1].to(self.device), cache=self.cache, use_cache=True,
+                         output_hidden_states=self.want_hidden, logits_to_keep=1)
+        return out.hidden_states[-1][0, -1] if self.want_hidden else None
 
     @torch.no_grad()
     def forward_tree(self, tree: DraftTree) -> TreeOutput:

@@ -15,9 +15,12 @@ class TableTarget:
     Implements the ``prefill / forward_tree / commit / prefix_len`` protocol of ``TreeTarget``.
     """
 
-    def __init__(self, vocab: int = 6, seed: int = 0, scale: float = 2.0):
+    def __init__(self, vocab: int = 6, seed: int = 0, scale: float = 2.0, hidden_size: int = 0):
         g = torch.Generator().manual_seed(seed)
         self.table = torch.randn(vocab, vocab, vocab, generator=g, dtype=torch.float64) * scale
+        # Optional fake last hidden states, so hidden-reading drafters (Medusa) can run on it.
+        self.hidden_table = torch.randn(vocab, vocab, hidden_size, generator=g, dtype=torch.float64)
+        self.want_hidden = hidden_size > 0
         self.committed: list[int] = []
 
     def logits_after(self, context: list[int]) -> torch.Tensor:
@@ -27,8 +30,11 @@ class TableTarget:
     def prefix_len(self) -> int:
         return len(self.committed)
 
-    def prefill(self, ids: torch.Tensor) -> None:
+    def prefill(self, ids: torch.Tensor):
         self.committed = ids[:-1].tolist()
+        if self.want_hidden and len(self.committed) >= 2:
+            return self.hidden_table[self.committed[-2], self.committed[-1]]
+        return None
 
     def forward_tree(self, tree: DraftTree) -> TreeOutput:
         self._tree = tree
@@ -36,15 +42,32 @@ class TableTarget:
         paths: list[list[int]] = []
         for i, p in enumerate(parents):
             paths.append((paths[p] if p >= 0 else self.committed) + [toks[i]])
-        return TreeOutput(torch.stack([self.logits_after(c) for c in paths]), None)
+        hidden = torch.stack([self.hidden_table[c[-2], c[-1]] for c in paths]) if self.want_hidden else None
+        return TreeOutput(torch.stack([self.logits_after(c) for c in paths]), hidden)
 
     def commit(self, path: list[int], prefix_len: int) -> None:
         assert prefix_len == len(self.committed)
         self.committed += self._tree.tokens[path].tolist()
 
 
-def table_target(vocab: int = 6, seed: int = 0) -> TableTarget:
-    return TableTarget(vocab, seed)
+def table_target(vocab: int = 6, seed: int = 0, hidden_size: int = 0) -> TableTarget:
+    return TableTarget(vocab, seed, hidden_size=hidden_size)
+
+
+class FakeLM(torch.nn.Module):
+    """The slice of a transformers model a Medusa drafter touches: config and output embeddings."""
+
+    def __init__(self, vocab: int, hidden: int, seed: int = 0):
+        super().__init__()
+        from transformers import LlamaConfig
+
+        torch.manual_seed(seed)
+        self.config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1,
+                                  num_attention_heads=1, intermediate_size=4)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False).double()
+
+    def get_output_embeddings(self):
+        return self.head
 
 
 class ScriptedDrafter(Drafter):

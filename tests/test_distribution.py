@@ -25,11 +25,11 @@ from stubs import ScriptedDrafter, table_target
 VOCAB, PROMPT, NEW, SAMPLES = 6, [1, 2], 3, 20000
 
 
-def exact_law(cfg: SamplingConfig) -> dict[tuple[int, ...], float]:
+def exact_law(cfg: SamplingConfig, prompt: list[int] = PROMPT) -> dict[tuple[int, ...], float]:
     target = table_target(VOCAB)
     law = {}
     for seq in itertools.product(range(VOCAB), repeat=NEW):
-        ctx, prob = list(PROMPT), 1.0
+        ctx, prob = list(prompt), 1.0
         for tok in seq:
             prob *= float(target_probs(target.logits_after(ctx), cfg)[tok])
             ctx.append(tok)
@@ -38,14 +38,20 @@ def exact_law(cfg: SamplingConfig) -> dict[tuple[int, ...], float]:
     return law
 
 
-def draw(cfg: SamplingConfig, drafter, n: int = SAMPLES, seed: int = 0) -> dict[tuple[int, ...], int]:
-    target, gen, counts = table_target(VOCAB), torch.Generator().manual_seed(seed), {}
-    ids = torch.tensor(PROMPT)
+def draw_with(cfg: SamplingConfig, drafter, *, n: int = SAMPLES, seed: int = 0, hidden_size: int = 0,
+              prompt: list[int] = PROMPT) -> dict[tuple[int, ...], int]:
+    """Counts of the first NEW tokens over n speculative generations through the decode loop."""
+    target, gen, counts = table_target(VOCAB, hidden_size=hidden_size), torch.Generator().manual_seed(seed), {}
+    ids = torch.tensor(prompt)
     for _ in range(n):
         out = decode(target, ids, drafter, cfg, gen, NEW, set(), 100)
-        key = tuple(out.sequences[0, len(PROMPT):].tolist())
+        key = tuple(out.sequences[0, len(prompt):].tolist())
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def draw(cfg: SamplingConfig, drafter, n: int = SAMPLES, seed: int = 0) -> dict[tuple[int, ...], int]:
+    return draw_with(cfg, drafter, n=n, seed=seed)
 
 
 def chi_square_ok(law, counts, n: int = SAMPLES, alpha: float = 1e-6) -> tuple[bool, str]:

@@ -6,9 +6,12 @@ from dataclasses import fields
 from typing import Callable
 
 from .base import DraftContext, Drafter, TargetSignature
+from .medusa import MedusaConfig, MedusaDrafter, build_medusa, medusa_from_checkpoint, medusa_weights
 from .ngram import NgramConfig, NgramDrafter
 
 _BUILDERS: dict[str, Callable[..., Drafter]] = {}
+# kind -> (weights of a drafter, drafter from (model, meta, weights))
+_CHECKPOINTS: dict[str, tuple[Callable, Callable]] = {}
 
 
 def register(kind: str, builder: Callable[..., Drafter]) -> None:
@@ -23,6 +26,46 @@ def build_drafter(model, kind: str, **options) -> Drafter:
     return _BUILDERS[kind](model, **options)
 
 
+def load_drafter(path, model) -> Drafter:
+    """Load a drafter checkpoint folder for ``model``.
+
+    Raises ``selfspec.checkpoint.CheckpointError`` (a ``ValueError``) when the folder is missing,
+    partial or corrupt, holds an unknown kind, or was made for another target.
+    """
+    from ..checkpoint import CheckpointError, check_target, read_checkpoint
+
+    meta, weights = read_checkpoint(path)
+    kind = meta.get("kind")
+    if kind not in _CHECKPOINTS:
+        raise CheckpointError(f"{str(path)!r} holds a drafter of unknown kind {kind!r}; known: {sorted(_CHECKPOINTS)}")
+    check_target(meta, model, path)
+    try:
+        drafter = _CHECKPOINTS[kind][1](model, meta, weights)
+    except ValueError as err:
+        raise CheckpointError(f"{str(path)!r}: {err}") from None
+    drafter.checkpoint_meta = meta
+    return drafter
+
+
+def save_drafter(drafter: Drafter, path, *, tokenizer=None, extra: dict | None = None) -> None:
+    """Atomically save a trainable drafter (with its target's identity) to a checkpoint folder."""
+    from ..checkpoint import TargetIdentity, save_checkpoint
+
+    if drafter.kind not in _CHECKPOINTS:
+        raise ValueError(f"drafters of kind {drafter.kind!r} have no weights to save")
+    save_checkpoint(path, kind=drafter.kind, config=drafter.config_dict(),
+                    target=TargetIdentity.of(drafter.model, tokenizer),
+                    weights=_CHECKPOINTS[drafter.kind][0](drafter), extra=extra)
+
+
+def _build_medusa(model, **options) -> MedusaDrafter:
+    known = {f.name for f in fields(MedusaConfig)}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"unknown medusa drafter options {sorted(unknown)}; known: {sorted(known)}")
+    return build_medusa(model, **options)
+
+
 def _build_ngram(model, **options) -> NgramDrafter:
     known = {f.name for f in fields(NgramConfig)}
     unknown = set(options) - known
@@ -32,5 +75,10 @@ def _build_ngram(model, **options) -> NgramDrafter:
 
 
 register("ngram", _build_ngram)
+register("medusa", _build_medusa)
+_CHECKPOINTS["medusa"] = (medusa_weights, medusa_from_checkpoint)
 
-__all__ = ["DraftContext", "Drafter", "NgramConfig", "NgramDrafter", "TargetSignature", "build_drafter", "register"]
+__all__ = [
+    "DraftContext", "Drafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "TargetSignature",
+    "build_drafter", "load_drafter", "register", "save_drafter",
+]

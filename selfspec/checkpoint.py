@@ -1,0 +1,141 @@
+"""Drafter checkpoints: a folder with ``drafter.json`` and ``adapter.safetensors``.
+
+``drafter.json`` holds ``format`` (``"selfspec-drafter"``), ``version``, ``kind``, the drafter's
+typed ``config``, the ``target`` identity (model type, vocabulary size, hidden size, layer count,
+weight fingerprint, tokenizer fingerprint) and free ``extra`` fields (tree, measured accuracies,
+training provenance). Weights are safetensors, never pickles, under the drafter's name prefix.
+
+Writes are atomic: a folder is written under a temporary name beside the destination and renamed
+into place, so a crash leaves either the old checkpoint or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .drafters.base import TargetSignature
+from .fingerprint import target_fingerprint
+
+FORMAT, VERSION = "selfspec-drafter", 1
+CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "adapter.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt, partial or made for another target."""
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike):
+    """Yield a temporary folder; on success it replaces ``path`` in one rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What a checkpoint records about the target it was trained on."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    fingerprint: str
+    tokenizer_fingerprint: str | None = None
+
+    @classmethod
+    def of(cls, model, tokenizer=None) -> "TargetIdentity":
+        from .fingerprint import tokenizer_fingerprint
+
+        sig = TargetSignature.of(model)
+        tok = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+        return cls(sig.model_type, sig.vocab_size, sig.hidden_size, sig.num_layers, target_fingerprint(model), tok)
+
+    @property
+    def signature(self) -> TargetSignature:
+        return TargetSignature(self.model_type, self.vocab_size, self.hidden_size, self.num_layers)
+
+
+def save_checkpoint(path, *, kind: str, config: dict, target: TargetIdentity, weights: dict[str, torch.Tensor],
+                    extra: dict | None = None) -> None:
+    """Atomically write a drafter checkpoint folder."""
+    meta = dict(format=FORMAT, version=VERSION, kind=kind, config=config, target=asdict(target), extra=extra or {})
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    with atomic_dir(path) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT, "kind": kind})
+        atomic_write_text(tmp / CONFIG_FILE, json.dumps(meta, indent=1))
+
+
+def read_checkpoint(path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read ``(meta, weights)``; any missing, corrupt or foreign file raises :class:`CheckpointError`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no drafter checkpoint folder at {str(path)!r}")
+    cfg_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not cfg_file.exists():
+        raise CheckpointError(f"{str(path)!r} is not a selfspec drafter checkpoint: {CONFIG_FILE} is missing")
+    try:
+        meta = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{cfg_file} is corrupt (not valid JSON): {err}") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{cfg_file} is not a selfspec drafter config (format {meta.get('format')!r})"
+                              if isinstance(meta, dict) else f"{cfg_file} is not a selfspec drafter config")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{cfg_file} has format version {meta.get('version')}, this selfspec reads {VERSION}")
+    if not weights_file.exists():
+        raise CheckpointError(f"{str(path)!r} is partial: {WEIGHTS_FILE} is missing")
+    try:
+        weights = load_file(str(weights_file))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{weights_file} is corrupt or truncated: {err}") from err
+    return meta, weights
+
+
+def check_target(meta: dict, model, path) -> None:
+    """Refuse a checkpoint whose recorded target differs from ``model``."""
+    want = TargetIdentity(**meta["target"])
+    try:
+        want.signature.check(model, what=f"checkpoint {str(path)!r}")
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    have = target_fingerprint(model)
+    if have != want.fingerprint:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was trained on another target: weight fingerprint {want.fingerprint}, "
+            f"this model has {have} (same architecture, different weights)"
+        )

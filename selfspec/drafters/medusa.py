@@ -1,0 +1,188 @@
+"""Medusa-style heads: K small blocks on the target's last hidden state guess tokens t+2..t+K+1.
+
+Notation: ``h`` is the target's last (post-norm) hidden state at the node that predicted the
+current root; the target's own LM head on ``h`` gives the root's law. Head k (k = 1..K) maps ``h``
+through ``num_layers`` residual blocks ``x + SiLU(W x)`` (W zero-initialised, so an untrained head
+starts as a copy of the LM head) and then through the target's frozen LM head (shared, default) or
+an own trainable LM head, predicting the token k positions after the root, i.e. depth k of the
+draft tree. The heads read the hidden state the verify pass already computed: no extra target pass.
+
+The tree is a static :class:`~selfspec.tree.TreeTemplate` filled with each head's top-k tokens as
+point-mass children, so verification is exact at any temperature. The target itself is never
+modified: heads are a separate module saved as a small adapter checkpoint
+(:mod:`selfspec.checkpoint`) tied to the target's fingerprint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from ..tree import DraftTree, TreeBuilder, TreeTemplate
+from .base import DraftContext, Drafter, TargetSignature
+
+# A 10-node tree for CPU targets (verify cost grows quickly with nodes there); replaced by the one
+# chosen from measured head accuracies when a trained checkpoint is loaded.
+DEFAULT_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0], [0, 0, 1]]
+
+
+@dataclass
+class MedusaConfig:
+    """Shape of the heads.
+
+    Attributes:
+        num_heads: K, the deepest draft depth.
+        num_layers: residual blocks per head.
+        own_lm_head: give each head its own trainable LM head (initialised from the target's)
+            instead of sharing the frozen one; K x vocab x hidden more parameters.
+        tree: Medusa-style top-k index paths of the draft tree.
+    """
+
+    num_heads: int = 4
+    num_layers: int = 1
+    own_lm_head: bool = False
+    tree: list[list[int]] = field(default_factory=lambda: [list(p) for p in DEFAULT_TREE])
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_layers < 1:
+            raise ValueError(f"num_heads and num_layers must be >= 1, got {self.num_heads}, {self.num_layers}")
+        depth = max((len(p) for p in self.tree), default=0)
+        if depth > self.num_heads:
+            raise ValueError(f"tree depth {depth} exceeds num_heads {self.num_heads}")
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(W x + b)`` with W, b zero-initialised (identity at start)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+def lm_logits(model, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+    """The target's logits for hidden states ``[..., H]``: its LM head plus any final soft-capping."""
+    logits = (lm_head or model.get_output_embeddings())(hidden)
+    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+class MedusaHeads(nn.Module):
+    """K heads; parameters live under ``blocks.*`` (and ``lm_heads.*`` with own LM heads)."""
+
+    def __init__(self, cfg: MedusaConfig, hidden_size: int, lm_head: nn.Module | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(cfg.num_layers)]) for _ in range(cfg.num_heads)
+        )
+        self.lm_heads = None
+        if cfg.own_lm_head:
+            if lm_head is None:
+                raise ValueError("own_lm_head needs the target's LM head to initialise from")
+            self.lm_heads = nn.ModuleList(_copy_linear(lm_head) for _ in range(cfg.num_heads))
+
+    def hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` -> ``[..., K, H]`` head features before the LM head."""
+        return torch.stack([block(h) for block in self.blocks], dim=-2)
+
+    def logits(self, model, h: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` -> ``[..., K, V]`` head logits (shared LM head unless own ones)."""
+        feats = self.hidden(h)
+        if self.lm_heads is None:
+            return lm_logits(model, feats)
+        return torch.stack([lm_logits(model, feats[..., k, :], head) for k, head in enumerate(self.lm_heads)], dim=-2)
+
+
+def _copy_linear(layer: nn.Module) -> nn.Linear:
+    weight = layer.weight.detach()
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=getattr(layer, "bias", None) is not None)
+    out.weight.data.copy_(weight)
+    if out.bias is not None:
+        out.bias.data.copy_(layer.bias.detach())
+    return out
+
+
+class MedusaDrafter(Drafter):
+    """Fills a static tree with the heads' top-k tokens (point-mass children)."""
+
+    kind = "medusa"
+    needs_hidden = True
+
+    def __init__(self, model, heads: MedusaHeads, signature: TargetSignature | None = None):
+        super().__init__(signature or TargetSignature.of(model))
+        self.model = model
+        self.heads = heads.eval()
+        self.template = TreeTemplate(heads.cfg.tree)
+
+    def set_tree(self, paths: list[list[int]]) -> None:
+        """Use another static tree (e.g. one chosen by measured accuracies or calibration)."""
+        template = TreeTemplate(paths)
+        if template.depth > self.heads.cfg.num_heads:
+            raise ValueError(f"tree depth {template.depth} exceeds the {self.heads.cfg.num_heads} heads")
+        self.template = template
+        self.heads.cfg.tree = template.to_list()
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        if ctx.root_hidden is None or ctx.max_depth < 1:
+            return TreeBuilder(ctx.root_token).build()
+        depth = min(self.template.depth, ctx.max_depth)
+        logits = self.heads.logits(self.model, ctx.root_hidden.to(self._dtype()))[:depth]  # [D, V]
+        candidates = logits.topk(self.template.max_rank, dim=-1).indices  # [D, k]
+        template = self.template if depth == self.template.depth else self._shallow(depth)
+        return template.fill(ctx.root_token, candidates)
+
+    def _shallow(self, depth: int) -> TreeTemplate:
+        return TreeTemplate([p for p in self.template.paths if len(p) <= depth])
+
+    def _dtype(self) -> torch.dtype:
+        return self.heads.blocks[0][0].linear.weight.dtype
+
+    def config_dict(self) -> dict:
+        return asdict(self.heads.cfg)
+
+
+def build_medusa(model, **options) -> MedusaDrafter:
+    """``build_drafter(model, "medusa", num_heads=4, ...)``: untrained (zero-initialised) heads."""
+    cfg = MedusaConfig(**options)
+    param = next(model.parameters())
+    hidden = model.config.get_text_config(decoder=True).hidden_size
+    heads = MedusaHeads(cfg, hidden, model.get_output_embeddings()).to(param.device, param.dtype)
+    return MedusaDrafter(model, heads)
+
+
+def medusa_weights(drafter: MedusaDrafter) -> dict[str, torch.Tensor]:
+    """The adapter tensors, all under the ``medusa.`` prefix."""
+    return {f"medusa.{k}": v for k, v in drafter.heads.state_dict().items()}
+
+
+def medusa_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor]) -> MedusaDrafter:
+    """Rebuild the drafter from a checkpoint already checked against ``model``."""
+    try:
+        cfg = MedusaConfig(**meta["config"])
+    except TypeError as err:
+        raise ValueError(f"medusa checkpoint config is invalid: {err}") from None
+    param = next(model.parameters())
+    hidden = model.config.get_text_config(decoder=True).hidden_size
+    heads = MedusaHeads(cfg, hidden, model.get_output_embeddings() if cfg.own_lm_head else None)
+    state = {k.removeprefix("medusa."): v for k, v in weights.items() if k.startswith("medusa.")}
+    expected = heads.state_dict()
+    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+    if missing or unexpected:
+        raise ValueError(f"medusa weights do not match the config: missing {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]}")
+    bad = [k for k in expected if expected[k].shape != state[k].shape]
+    if bad:
+        raise ValueError(f"medusa weights have wrong shapes for {bad[:4]}")
+    heads = heads.to(param.device, param.dtype)  # before loading, so values keep their precision
+    heads.load_state_dict(state)
+    return MedusaDrafter(model, heads)

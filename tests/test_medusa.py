@@ -1,0 +1,109 @@
+"""The Medusa heads drafter through the core engine's exactness harness, and its checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.checkpoint import CheckpointError
+from selfspec.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+from selfspec.sampling import SamplingConfig
+from stubs import FakeLM
+from test_distribution import SETTINGS, chi_square_ok, draw_with, exact_law
+from tiny_models import FAMILIES, tiny_model
+
+VOCAB = 64
+PROMPT = torch.tensor([[3, 9, 27, 3, 9, 27, 3, 9, 5, 11]])
+
+
+def random_heads(drafter: MedusaDrafter, seed: int = 0, scale: float = 0.5) -> MedusaDrafter:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+    return drafter
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_heads_greedy_identity(family):
+    model = tiny_model(family, vocab=VOCAB)
+    reference = model.generate(PROMPT, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    for drafter in (selfspec.build_drafter(model, "medusa"), random_heads(selfspec.build_drafter(model, "medusa"))):
+        out = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=30)
+        assert torch.equal(out.sequences, reference)
+        assert out.stats.draft_nodes > 0  # the heads really drafted (hidden states reached them)
+
+
+def test_heads_that_copy_the_target_are_accepted():
+    """A head whose block is the identity predicts what the LM head predicts at the same hidden
+    state; on a model whose next token ignores position (a 2-cycle), such drafts are always right."""
+    model = tiny_model("llama", vocab=VOCAB)
+    drafter = selfspec.build_drafter(model, "medusa", num_heads=2, tree=[[0], [0, 0]])
+    reference = model.generate(PROMPT, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    out = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=20)
+    assert torch.equal(out.sequences, reference)
+
+
+@pytest.mark.parametrize("setting", ["T1", "T0.7-topk3"])
+def test_random_heads_keep_the_target_law(setting):
+    cfg = SETTINGS[setting]
+    lm = FakeLM(vocab=6, hidden=8)
+    heads = MedusaHeads(MedusaConfig(num_heads=2, tree=[[0], [1], [2], [0, 0], [1, 0]]), 8).double()
+    drafter = random_heads(MedusaDrafter(lm, heads), scale=1.0)
+    ok, msg = chi_square_ok(exact_law(cfg, prompt=[1, 2, 3]), draw_with(cfg, drafter, hidden_size=8, prompt=[1, 2, 3]))
+    assert ok, msg
+
+
+def test_checkpoint_round_trip_gives_identical_proposals(tmp_path):
+    model = tiny_model("qwen3", vocab=VOCAB)
+    drafter = random_heads(selfspec.build_drafter(model, "medusa", num_layers=2))
+    selfspec.save_drafter(drafter, tmp_path / "ckpt", extra={"note": "test"})
+    loaded = selfspec.load_drafter(tmp_path / "ckpt", model)
+    h = torch.randn(32, dtype=torch.float64)
+    torch.testing.assert_close(loaded.heads.logits(model, h), drafter.heads.logits(model, h), rtol=0, atol=0)
+    assert loaded.template.paths == drafter.template.paths
+    assert loaded.checkpoint_meta["extra"]["note"] == "test"
+    a = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=20)
+    b = selfspec.generate(model, PROMPT, drafter=loaded, max_new_tokens=20)
+    assert torch.equal(a.sequences, b.sequences) and a.stats.steps == b.stats.steps
+
+
+def test_foreign_and_corrupt_checkpoints_are_refused(tmp_path):
+    model = tiny_model("llama", vocab=VOCAB)
+    path = tmp_path / "ckpt"
+    selfspec.save_drafter(selfspec.build_drafter(model, "medusa"), path)
+
+    other_arch = tiny_model("qwen3", vocab=VOCAB)
+    with pytest.raises(CheckpointError, match="model_type"):
+        selfspec.load_drafter(path, other_arch)
+    same_arch_other_weights = tiny_model("llama", vocab=VOCAB, seed=1)
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        selfspec.load_drafter(path, same_arch_other_weights)
+
+    weights = path / "adapter.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        selfspec.load_drafter(path, model)
+    weights.unlink()
+    with pytest.raises(CheckpointError, match="partial"):
+        selfspec.load_drafter(path, model)
+    (path / "drafter.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        selfspec.load_drafter(path, model)
+    (path / "drafter.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(CheckpointError, match="not a selfspec drafter config"):
+        selfspec.load_drafter(path, model)
+    with pytest.raises(CheckpointError, match="no drafter checkpoint folder"):
+        selfspec.load_drafter(tmp_path / "missing", model)
+
+
+def test_bad_medusa_options():
+    model = tiny_model("llama", vocab=VOCAB)
+    with pytest.raises(ValueError, match="unknown medusa drafter options"):
+        selfspec.build_drafter(model, "medusa", heads=3)
+    with pytest.raises(ValueError, match="exceeds num_heads"):
+        selfspec.build_drafter(model, "medusa", num_heads=1, tree=[[0], [0, 0]])

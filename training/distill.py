@@ -1,0 +1,166 @@
+"""Self-distillation data: the target answers prompts, drafters learn the target's own outputs.
+
+Pipeline: prompts from the shared prompt sets are rendered with the target's chat template, the
+target answers them with batched ``model.generate`` (greedy for most, sampled for a share), and
+the (prompt ids, response ids) pairs are stored as a ``datasets`` dataset on disk with a
+``provenance.json`` (target fingerprint, config, counts, wall time).
+
+Resumable: answers are written shard by shard (atomically); a rerun skips finished shards. Held
+out by default: MT-Bench (the benchmark's prompts) and the first ``holdout`` BFCL records of each
+file, so benchmark numbers are not measured on training prompts.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from selfspec.chat import encode_chat
+from selfspec.fingerprint import target_fingerprint
+from selfspec.workloads import load_bfcl
+
+from selfspec.checkpoint import atomic_write_text
+
+
+@dataclass
+class DistillConfig:
+    """What to distil and how.
+
+    Attributes:
+        sources: number of prompts per source (gsm8k, bfcl_simple, bfcl_multiple, humaneval,
+            mt_bench); 0 skips a source.
+        data_dir: folder holding the shared prompt sets.
+        holdout: the first N records of each BFCL file are never used (benchmark prompts).
+        max_new_tokens: answer length cap.
+        batch_size: prompts generated together (left-padded).
+        shard_size: prompts per resumable shard.
+        sampled_every: every k-th prompt is answered by sampling (0 = greedy only).
+        temperature / top_p: sampling parameters of sampled answers.
+        seed: seeds prompt selection and sampling.
+    """
+
+    sources: dict[str, int] = field(
+        default_factory=lambda: {"gsm8k": 240, "bfcl_simple": 200, "bfcl_multiple": 100, "humaneval": 80}
+    )
+    data_dir: str = "../shared/data"
+    holdout: int = 100
+    max_new_tokens: int = 192
+    batch_size: int = 16
+    shard_size: int = 64
+    sampled_every: int = 4
+    temperature: float = 0.7
+    top_p: float = 0.95
+    seed: int = 0
+
+
+def collect_prompts(cfg: DistillConfig) -> list[dict]:
+    """``[{source, source_id, system, user}]`` in a fixed, seeded order."""
+    data = Path(cfg.data_dir)
+    g = torch.Generator().manual_seed(cfg.seed)
+    out: list[dict] = []
+
+    def take(records: list, n: int) -> list:
+        order = torch.randperm(len(records), generator=g).tolist()
+        return [records[i] for i in order[:n]]
+
+    n = cfg.sources
+    if n.get("gsm8k"):
+        with open(data / "gsm8k" / "train.jsonl", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f]
+        out += [dict(source="gsm8k", source_id=str(i), system=None, user=r["question"])
+                for i, r in enumerate(take(rows, n["gsm8k"]))]
+    for key, name in (("bfcl_simple", "BFCL_v4_simple_python.json"), ("bfcl_multiple", "BFCL_v4_multiple.json")):
+        if n.get(key):
+            qs = load_bfcl(data / "bfcl" / name)[cfg.holdout:]
+            out += [dict(source=key, source_id=q.question_id, system=q.system, user=q.turns[0]) for q in take(qs, n[key])]
+    if n.get("humaneval"):
+        with gzip.open(data / "HumanEval.jsonl.gz", "rt", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f]
+        out += [dict(source="humaneval", source_id=r["task_id"], system=None,
+                     user=f"Complete this Python function:\n```python\n{r['prompt']}```")
+                for r in take(rows, n["humaneval"])]
+    if n.get("mt_bench"):
+        with open(data / "mt_bench_question.jsonl", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f]
+        out += [dict(source="mt_bench", source_id=str(r["question_id"]), system=None, user=r["turns"][0])
+                for r in take(rows, n["mt_bench"])]
+    return out
+
+
+@torch.no_grad()
+def _answer(model, tokenizer, prompts: list[dict], cfg: DistillConfig, seed: int, sampled: bool) -> list[dict]:
+    """Batched generation for one group of prompts (left padding)."""
+    encoded = [encode_chat(tokenizer, p["user"], system=p["system"])[0] for p in prompts]
+    width = max(len(e) for e in encoded)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(encoded):
+        ids[i, width - len(e):] = e
+        mask[i, width - len(e):] = 1
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    kwargs = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p) if sampled else dict(do_sample=False)
+    out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=cfg.max_new_tokens,
+                         pad_token_id=pad, **kwargs).cpu()
+    eos = tokenizer.eos_token_id
+    rows = []
+    for p, e, seq in zip(prompts, encoded, out):
+        resp = seq[width:].tolist()
+        if eos in resp:
+            resp = resp[: resp.index(eos) + 1]
+        rows.append(dict(source=p["source"], source_id=p["source_id"], prompt_ids=e.tolist(), response_ids=resp,
+                         decoding="sampled" if sampled else "greedy"))
+    return rows
+
+
+def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *, target_name: str = "") -> Path:
+    """Generate the dataset into ``out_dir`` (resuming finished shards); returns the dataset path."""
+    from datasets import Dataset
+
+    out = Path(out_dir)
+    shards = out / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    prompts = collect_prompts(cfg)
+    # Interleave sampled answers: every k-th prompt is sampled.
+    for i, p in enumerate(prompts):
+        p["sampled"] = bool(cfg.sampled_every) and i % cfg.sampled_every == cfg.sampled_every - 1
+    started = time.time()
+    groups = [prompts[i: i + cfg.shard_size] for i in range(0, len(prompts), cfg.shard_size)]
+    bar = tqdm(total=len(prompts), desc="self-distillation", unit="prompt")
+    for s, group in enumerate(groups):
+        path = shards / f"{s:05d}.jsonl"
+        if path.exists():
+            bar.update(len(group))
+            continue
+        rows: list[dict] = []
+        for sampled in (False, True):
+            part = sorted([p for p in group if p["sampled"] == sampled], key=lambda p: len(p["user"]))
+            for b in range(0, len(part), cfg.batch_size):
+                batch = part[b: b + cfg.batch_size]
+                rows += _answer(model, tokenizer, batch, cfg, cfg.seed * 100003 + s * 1009 + b, sampled)
+                bar.update(len(batch))
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    bar.close()
+    records = [json.loads(line) for path in sorted(shards.glob("*.jsonl")) for line in open(path, encoding="utf-8")]
+    dataset = Dataset.from_list(records)
+    dataset.save_to_disk(str(out / "dataset"))
+    provenance = dict(
+        target=target_name,
+        target_fingerprint=target_fingerprint(model),
+        config=asdict(cfg),
+        examples=len(records),
+        response_tokens=sum(len(r["response_ids"]) for r in records),
+        per_source={s: sum(r["source"] == s for r in records) for s in cfg.sources},
+        wall_time_s_this_run=round(time.time() - started, 1),
+        created=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+    atomic_write_text(out / "provenance.json", json.dumps(provenance, indent=1))
+    return out / "dataset"
