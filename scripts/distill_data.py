@@ -10,21 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass, field
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import selfspec  # noqa: E402
 from training.config import load_config  # noqa: E402
-from training.distill import DistillConfig, distill  # noqa: E402
-
-
-@dataclass
-class DistillJob:
-    target: str = selfspec.DEFAULT_TARGET
-    out: str = "runs/distill/smollm2"
-    distill: DistillConfig = field(default_factory=DistillConfig)
+from training.distill import DistillJob, distill  # noqa: E402
 
 
 def main(argv=None) -> None:

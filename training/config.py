@@ -64,3 +64,16 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
 
 def dump_config(cfg) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def load_any(path: str | Path, overrides: list[str] | None = None):
+    """Load a config file into the dataclass its ``recipe`` key names."""
+    from .distill import DistillJob
+    from .heads_recipe import HeadsTrainConfig
+
+    classes = {"distill": DistillJob, "train_heads": HeadsTrainConfig}
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    recipe = data.get("recipe")
+    if recipe not in classes:
+        raise ValueError(f"{path}: 'recipe' must be one of {sorted(classes)}, got {recipe!r}")
+    return from_dict(classes[recipe], apply_overrides(data, overrides or []))

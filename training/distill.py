@@ -60,6 +60,20 @@ class DistillConfig:
     seed: int = 0
 
 
+@dataclass
+class DistillJob:
+    """``scripts/distill_data.py`` config: which target, where to write, what to distil."""
+
+    recipe: str = "distill"
+    target: str = "smollm2-135m-instruct"
+    out: str = "runs/distill/smollm2"
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self) -> None:
+        if self.recipe != "distill":
+            raise ValueError(f"this config is for recipe {self.recipe!r}, not 'distill'")
+
+
 def collect_prompts(cfg: DistillConfig) -> list[dict]:
     """``[{source, source_id, system, user}]`` in a fixed, seeded order."""
     data = Path(cfg.data_dir)

@@ -1,0 +1,84 @@
+"""Frozen-target features for training drafters on self-distilled conversations.
+
+The target is frozen, so its last hidden states are computed once per example and cached
+(``FeatureCache``) instead of once per epoch. Row ``g`` of ``hidden`` is the post-norm hidden state
+at one position of one example; ``positions`` lists the rows ``t`` a drafter is trained at: from
+the last prompt token to the end, i.e. every position whose next token was written by the target.
+``labels[i, k]`` is the token ``k + 2`` positions after ``positions[i]`` (what head k+1 must
+guess; ``-100`` where it falls outside the example or inside the prompt). The target's own next
+token law at row ``g + k`` is what head k+1 would ideally match (used by the KL loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+IGNORE = -100
+
+
+@dataclass
+class FeatureCache:
+    """Attributes (N training positions, T cached rows, K heads):
+
+    hidden: ``[T, H]`` cached last hidden states (float32 or bfloat16, CPU), per example the rows
+        from its last prompt token to its end.
+    positions: ``[N]`` rows of ``hidden`` that training reads.
+    labels: ``[N, K]`` target tokens per head, ``IGNORE`` where undefined.
+    example: ``[N]`` example index of each position (for splits).
+    """
+
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor
+    example: torch.Tensor
+
+    def subset(self, mask: torch.Tensor) -> "FeatureCache":
+        return FeatureCache(self.hidden, self.positions[mask], self.labels[mask], self.example[mask])
+
+
+def head_labels(tokens: torch.Tensor, prompt_len: int, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and labels of one example.
+
+    Args:
+        tokens: ``[L]`` prompt followed by the target's response.
+        prompt_len: number of prompt tokens (>= 1).
+        num_heads: K.
+
+    Returns:
+        ``(positions [n], labels [n, K])`` with ``positions = prompt_len - 1 .. L - 2``.
+    """
+    length = tokens.shape[0]
+    positions = torch.arange(prompt_len - 1, length - 1)
+    labels = torch.full((positions.shape[0], num_heads), IGNORE, dtype=torch.long)
+    for k in range(num_heads):
+        src = positions + k + 2  # head k+1 at position t guesses token t + k + 2
+        ok = src < length
+        labels[ok, k] = tokens[src[ok]]
+    return positions, labels
+
+
+@torch.no_grad()
+def build_features(model, dataset, num_heads: int, *, max_len: int = 1024, dtype=torch.float32,
+                   progress: bool = True) -> FeatureCache:
+    """Run the frozen target once over every example and collect positions and labels."""
+    decoder = model.get_decoder()
+    device = next(model.parameters()).device
+    hidden, positions, labels, example = [], [], [], []
+    offset = 0
+    for i, row in enumerate(tqdm(dataset, desc="target features", disable=not progress, unit="example")):
+        prompt, response = row["prompt_ids"], row["response_ids"]
+        tokens = torch.tensor((prompt + response)[:max_len], dtype=torch.long)
+        if len(response) == 0 or len(prompt) >= tokens.shape[0]:
+            continue
+        start = len(prompt) - 1  # rows before the last prompt token are never read
+        h = decoder(input_ids=tokens[None].to(device)).last_hidden_state[0, start:]
+        pos, lab = head_labels(tokens, len(prompt), num_heads)
+        hidden.append(h.to("cpu", dtype))
+        positions.append(pos - start + offset)
+        labels.append(lab)
+        example.append(torch.full_like(pos, i))
+        offset += h.shape[0]
+    return FeatureCache(torch.cat(hidden), torch.cat(positions), torch.cat(labels), torch.cat(example))
