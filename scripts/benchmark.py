@@ -18,24 +18,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import selfspec  # noqa: E402
 from selfspec import benchmark  # noqa: E402
+from selfspec.drafters import drafter_from_spec  # noqa: E402
 from selfspec.workloads import load_questions, take_per_category  # noqa: E402
-
-
-def parse_method(model, spec: str):
-    """``kind`` or ``kind:key=value,key=value`` (values parsed as int when they look like one)."""
-    kind, _, opts = spec.partition(":")
-    options = {}
-    for item in filter(None, opts.split(",")):
-        key, _, value = item.partition("=")
-        options[key] = int(value) if value.lstrip("-").isdigit() else value
-    return selfspec.build_drafter(model, kind, **options)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--questions", action="append", required=True, help="question file (repeatable)")
     ap.add_argument("--model", default=selfspec.DEFAULT_TARGET)
-    ap.add_argument("--methods", nargs="+", default=["ngram"], help="drafter specs, e.g. ngram:max_nodes=8")
+    ap.add_argument("--methods", nargs="+", default=["ngram"], help="drafter specs: ngram, ngram:max_nodes=8, medusa (shipped checkpoint), a checkpoint folder")
     ap.add_argument("--limit", type=int, default=None, help="questions per file")
     ap.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
     ap.add_argument("--first-turn-only", action="store_true")
@@ -54,7 +45,7 @@ def main(argv=None) -> None:
         if args.first_turn_only:
             qs = [q.__class__(q.question_id, q.category, q.turns[:1], q.system) for q in qs]
         questions += qs
-    methods = {spec: parse_method(model, spec) for spec in args.methods}
+    methods = {spec: drafter_from_spec(model, spec, args.model) for spec in args.methods}
     records = benchmark.run(model, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature)
     summary = benchmark.summarise(records)

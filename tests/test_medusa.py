@@ -107,3 +107,18 @@ def test_bad_medusa_options():
         selfspec.build_drafter(model, "medusa", heads=3)
     with pytest.raises(ValueError, match="exceeds num_heads"):
         selfspec.build_drafter(model, "medusa", num_heads=1, tree=[[0], [0, 0]])
+
+
+def test_drafter_specs(tmp_path, monkeypatch):
+    from selfspec import drafters
+
+    model = tiny_model("llama", vocab=VOCAB)
+    assert drafters.drafter_from_spec(model, "none") is None
+    assert drafters.drafter_from_spec(model, "ngram:max_nodes=5").config.max_nodes == 5
+    assert drafters.drafter_from_spec(model, "medusa:num_heads=2").heads.cfg.num_heads == 2
+    with pytest.raises(ValueError, match="no medusa checkpoint is shipped"):
+        drafters.drafter_from_spec(model, "medusa", "tiny")
+    selfspec.save_drafter(selfspec.build_drafter(model, "medusa"), tmp_path / "tiny-medusa")
+    assert drafters.drafter_from_spec(model, str(tmp_path / "tiny-medusa")).kind == "medusa"
+    monkeypatch.setattr(drafters, "SHIPPED_CHECKPOINTS", tmp_path)
+    assert drafters.drafter_from_spec(model, "medusa", "tiny").kind == "medusa"

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import Callable
 
 from .base import DraftContext, Drafter, TargetSignature
 from .medusa import MedusaConfig, MedusaDrafter, build_medusa, medusa_from_checkpoint, medusa_weights
 from .ngram import NgramConfig, NgramDrafter
+
+#: Drafters trained for the packaged targets ship in the repository's checkpoints/ folder.
+SHIPPED_CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 
 _BUILDERS: dict[str, Callable[..., Drafter]] = {}
 # kind -> (weights of a drafter, drafter from (model, meta, weights))
@@ -58,6 +62,40 @@ def save_drafter(drafter: Drafter, path, *, tokenizer=None, extra: dict | None =
                     weights=_CHECKPOINTS[drafter.kind][0](drafter), extra=extra)
 
 
+def shipped_checkpoint(target: str, kind: str) -> Path:
+    """Folder of the drafter of ``kind`` shipped for the packaged ``target`` alias."""
+    return SHIPPED_CHECKPOINTS / f"{target}-{kind}"
+
+
+def drafter_from_spec(model, spec: str, target: str | None = None) -> Drafter | None:
+    """Resolve a command-line drafter spec.
+
+    * ``none``: plain decoding;
+    * a checkpoint folder: :func:`load_drafter`;
+    * a bare trainable kind (``medusa``): the checkpoint shipped for ``target`` (error if none);
+    * ``kind`` or ``kind:key=value,...``: a fresh drafter from :func:`build_drafter` (values that
+      look like integers are parsed as such).
+    """
+    if spec == "none":
+        return None
+    if Path(spec).is_dir():
+        return load_drafter(spec, model)
+    if spec in _CHECKPOINTS:
+        path = shipped_checkpoint(target or "", spec)
+        if not path.is_dir():
+            raise ValueError(
+                f"no {spec} checkpoint is shipped for target {target!r} (looked in {path}); train one with "
+                f"scripts/train_heads.py, pass its folder, or use '{spec}:' for an untrained drafter"
+            )
+        return load_drafter(path, model)
+    kind, _, opts = spec.partition(":")
+    options = {}
+    for item in filter(None, opts.split(",")):
+        key, _, value = item.partition("=")
+        options[key] = int(value) if value.lstrip("-").isdigit() else value
+    return build_drafter(model, kind, **options)
+
+
 def _build_medusa(model, **options) -> MedusaDrafter:
     known = {f.name for f in fields(MedusaConfig)}
     unknown = set(options) - known
@@ -80,5 +118,5 @@ _CHECKPOINTS["medusa"] = (medusa_weights, medusa_from_checkpoint)
 
 __all__ = [
     "DraftContext", "Drafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "TargetSignature",
-    "build_drafter", "load_drafter", "register", "save_drafter",
+    "build_drafter", "drafter_from_spec", "load_drafter", "register", "save_drafter", "shipped_checkpoint",
 ]

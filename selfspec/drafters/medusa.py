@@ -15,7 +15,7 @@ modified: heads are a separate module saved as a small adapter checkpoint
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -37,17 +37,20 @@ class MedusaConfig:
         num_layers: residual blocks per head.
         own_lm_head: give each head its own trainable LM head (initialised from the target's)
             instead of sharing the frozen one; K x vocab x hidden more parameters.
-        tree: Medusa-style top-k index paths of the draft tree.
+        tree: Medusa-style top-k index paths of the draft tree (default: :data:`DEFAULT_TREE` cut
+            to ``num_heads`` levels).
     """
 
     num_heads: int = 4
     num_layers: int = 1
     own_lm_head: bool = False
-    tree: list[list[int]] = field(default_factory=lambda: [list(p) for p in DEFAULT_TREE])
+    tree: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_layers < 1:
             raise ValueError(f"num_heads and num_layers must be >= 1, got {self.num_heads}, {self.num_layers}")
+        if self.tree is None:
+            self.tree = [list(p) for p in DEFAULT_TREE if len(p) <= self.num_heads]
         depth = max((len(p) for p in self.tree), default=0)
         if depth > self.num_heads:
             raise ValueError(f"tree depth {depth} exceeds num_heads {self.num_heads}")
