@@ -43,6 +43,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; checkpoints are meant to be shared
     os.replace(tmp, path)
 
 
@@ -52,6 +53,7 @@ def atomic_dir(path: str | os.PathLike):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    os.chmod(tmp, 0o755)
     try:
         yield tmp
         old = None

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_cache import cache_length, keep_path, new_cache
+from .lm_head import head_matches_forward, lm_logits
 from .tree import DraftTree
 
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -59,6 +60,9 @@ class TreeTarget:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = new_cache()
+        # Decoder + our own LM-head matmul when that provably equals the model's forward (faster
+        # for small trees on CPU, see selfspec.lm_head); the full forward otherwise.
+        self.decoder = model.get_decoder() if head_matches_forward(model) else None
 
     @property
     def prefix_len(self) -> int:
@@ -75,25 +79,29 @@ class TreeTarget:
         self.cache = new_cache()
         if ids.shape[0] < 2:
             return None
-        out = self.model(input_ids=ids[None, :-1].to(self.device), cache=self.cache, use_cache=True,
-                         output_hidden_states=self.want_hidden, logits_to_keep=1)
+        inputs = dict(input_ids=ids[None, :-1].to(self.device), cache=self.cache, use_cache=True)
+        if self.decoder is not None:
+            last = self.decoder(**inputs).last_hidden_state[0, -1]
+            return last if self.want_hidden else None
+        out = self.model(**inputs, output_hidden_states=self.want_hidden, logits_to_keep=1)
         return out.hidden_states[-1][0, -1] if self.want_hidden else None
 
     @torch.no_grad()
     def forward_tree(self, tree: DraftTree) -> TreeOutput:
         """One forward over ``tree``; the tree's KV is appended to the cache until :meth:`commit`."""
         prefix = self.prefix_len
-        positions = (prefix + tree.depths).to(self.device)[None]  # [1, n]
-        out = self.model(
+        inputs = dict(
             input_ids=tree.tokens[None].to(self.device),
             attention_mask=self.tree_mask(tree, prefix),
-            position_ids=positions,
+            position_ids=(prefix + tree.depths).to(self.device)[None],  # [1, n]
             cache=self.cache,
             use_cache=True,
-            output_hidden_states=self.want_hidden,
         )
-        hidden = out.hidden_states[-1][0] if self.want_hidden else None
-        return TreeOutput(out.logits[0], hidden)
+        if self.decoder is not None:
+            hidden = self.decoder(**inputs).last_hidden_state[0]
+            return TreeOutput(lm_logits(self.model, hidden), hidden if self.want_hidden else None)
+        out = self.model(**inputs, output_hidden_states=self.want_hidden)
+        return TreeOutput(out.logits[0], out.hidden_states[-1][0] if self.want_hidden else None)
 
     def commit(self, path: list[int], prefix_len: int) -> None:
         """Keep the KV of the accepted ``path`` after the ``prefix_len`` committed slots."""

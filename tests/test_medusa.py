@@ -122,3 +122,20 @@ def test_drafter_specs(tmp_path, monkeypatch):
     assert drafters.drafter_from_spec(model, str(tmp_path / "tiny-medusa")).kind == "medusa"
     monkeypatch.setattr(drafters, "SHIPPED_CHECKPOINTS", tmp_path)
     assert drafters.drafter_from_spec(model, "medusa", "tiny").kind == "medusa"
+
+
+def test_union_of_heads_and_ngram_is_exact_and_merges_prefixes():
+    model = tiny_model("gemma3", vocab=VOCAB)
+    reference = model.generate(PROMPT, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    heads = random_heads(selfspec.build_drafter(model, "medusa"))
+    ngram = selfspec.build_drafter(model, "ngram", min_ngram=1)
+    union = selfspec.build_drafter(model, "union", members=[heads, ngram], max_nodes=12)
+    out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=30)
+    assert torch.equal(out.sequences, reference)
+    from selfspec.drafters.base import DraftContext
+
+    ctx = DraftContext(PROMPT[0], None, 8, SamplingConfig(), torch.Generator())
+    tree = union.propose(ctx)  # no hidden state yet: only the n-gram member drafts
+    assert tree.num_nodes == ngram.propose(ctx).num_nodes
+    tokens = [tuple(tree.tokens[tree.path_to(i)].tolist()) for i in range(tree.num_nodes)]
+    assert len(tokens) == len(set(tokens)), "shared prefixes must be merged"

@@ -80,3 +80,29 @@ def test_unknown_layer_type_is_refused():
     model.config.layer_types = ["chunked_attention"] * 2
     with pytest.raises(ValueError, match="chunked_attention"):
         TreeTarget(model)
+
+
+def test_own_lm_head_shortcut_only_when_it_matches_the_forward():
+    from selfspec.lm_head import head_matches_forward
+
+    for family in FAMILIES:  # gemma3 soft-caps its logits: the shortcut must reproduce that
+        assert head_matches_forward(tiny_model(family)), family
+
+    class Scaled(type(tiny_model("llama"))):
+        """A model whose forward post-processes logits in a way selfspec does not know."""
+
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2.0
+            return out
+
+    model = Scaled(tiny_model("llama").config).double().eval()
+    assert not head_matches_forward(model)
+    target = TreeTarget(model)
+    assert target.decoder is None
+    prompt = torch.arange(1, 9)
+    target.prefill(prompt)
+    tree, _ = _tree(8)
+    out = target.forward_tree(tree)
+    seq = torch.cat([prompt[:-1], tree.tokens[tree.path_to(3)]])
+    torch.testing.assert_close(out.logits[3], _reference(model, seq), rtol=0, atol=1e-10)

@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 import selfspec
 from selfspec.checkpoint import atomic_dir, atomic_write_text
 from selfspec.drafters import save_drafter
-from selfspec.drafters.medusa import MedusaConfig, MedusaDrafter, lm_logits
+from selfspec.drafters.medusa import MedusaConfig, MedusaDrafter
+from selfspec.lm_head import lm_logits
 from selfspec.tree_search import best_tree, expected_accepted_length
 
 from .config import dump_config

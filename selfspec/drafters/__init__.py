@@ -9,6 +9,7 @@ from typing import Callable
 from .base import DraftContext, Drafter, TargetSignature
 from .medusa import MedusaConfig, MedusaDrafter, build_medusa, medusa_from_checkpoint, medusa_weights
 from .ngram import NgramConfig, NgramDrafter
+from .union import UnionDrafter
 
 #: Drafters trained for the packaged targets ship in the repository's checkpoints/ folder.
 SHIPPED_CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
@@ -74,10 +75,13 @@ def drafter_from_spec(model, spec: str, target: str | None = None) -> Drafter | 
     * a checkpoint folder: :func:`load_drafter`;
     * a bare trainable kind (``medusa``): the checkpoint shipped for ``target`` (error if none);
     * ``kind`` or ``kind:key=value,...``: a fresh drafter from :func:`build_drafter` (values that
-      look like integers are parsed as such).
+      look like integers are parsed as such);
+    * ``a+b+...``: the union of those drafters' trees (16 draft nodes at most).
     """
     if spec == "none":
         return None
+    if "+" in spec:
+        return UnionDrafter([drafter_from_spec(model, s, target) for s in spec.split("+")])
     if Path(spec).is_dir():
         return load_drafter(spec, model)
     if spec in _CHECKPOINTS:
@@ -112,11 +116,18 @@ def _build_ngram(model, **options) -> NgramDrafter:
     return NgramDrafter(NgramConfig(**options), TargetSignature.of(model))
 
 
+def _build_union(model, members: list[Drafter], max_nodes: int = 16) -> UnionDrafter:
+    drafter = UnionDrafter(list(members), max_nodes)
+    drafter.check_target(model)
+    return drafter
+
+
 register("ngram", _build_ngram)
+register("union", _build_union)
 register("medusa", _build_medusa)
 _CHECKPOINTS["medusa"] = (medusa_weights, medusa_from_checkpoint)
 
 __all__ = [
     "DraftContext", "Drafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "TargetSignature",
-    "build_drafter", "drafter_from_spec", "load_drafter", "register", "save_drafter", "shipped_checkpoint",
+    "UnionDrafter", "build_drafter", "drafter_from_spec", "load_drafter", "register", "save_drafter", "shipped_checkpoint",
 ]

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from ..lm_head import lm_logits
 from ..tree import DraftTree, TreeBuilder, TreeTemplate
 from .base import DraftContext, Drafter, TargetSignature
 
@@ -69,15 +70,6 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-def lm_logits(model, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-    """The target's logits for hidden states ``[..., H]``: its LM head plus any final soft-capping."""
-    logits = (lm_head or model.get_output_embeddings())(hidden)
-    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
-
-
 class MedusaHeads(nn.Module):
     """K heads; parameters live under ``blocks.*`` (and ``lm_heads.*`` with own LM heads)."""
 
@@ -93,16 +85,17 @@ class MedusaHeads(nn.Module):
                 raise ValueError("own_lm_head needs the target's LM head to initialise from")
             self.lm_heads = nn.ModuleList(_copy_linear(lm_head) for _ in range(cfg.num_heads))
 
-    def hidden(self, h: torch.Tensor) -> torch.Tensor:
-        """``[..., H]`` -> ``[..., K, H]`` head features before the LM head."""
-        return torch.stack([block(h) for block in self.blocks], dim=-2)
+    def hidden(self, h: torch.Tensor, num: int | None = None) -> torch.Tensor:
+        """``[..., H]`` -> ``[..., num, H]`` features of the first ``num`` heads (default all K)."""
+        return torch.stack([block(h) for block in self.blocks[:num]], dim=-2)
 
-    def logits(self, model, h: torch.Tensor) -> torch.Tensor:
-        """``[..., H]`` -> ``[..., K, V]`` head logits (shared LM head unless own ones)."""
-        feats = self.hidden(h)
+    def logits(self, model, h: torch.Tensor, num: int | None = None) -> torch.Tensor:
+        """``[..., H]`` -> ``[..., num, V]`` logits of the first ``num`` heads (default all K)."""
+        feats = self.hidden(h, num)
         if self.lm_heads is None:
             return lm_logits(model, feats)
-        return torch.stack([lm_logits(model, feats[..., k, :], head) for k, head in enumerate(self.lm_heads)], dim=-2)
+        heads = list(self.lm_heads)[: feats.shape[-2]]
+        return torch.stack([lm_logits(model, feats[..., k, :], head) for k, head in enumerate(heads)], dim=-2)
 
 
 def _copy_linear(layer: nn.Module) -> nn.Linear:
@@ -139,6 +132,8 @@ class MedusaDrafter(Drafter):
         if ctx.root_hidden is None or ctx.max_depth < 1:
             return TreeBuilder(ctx.root_token).build()
         depth = min(self.template.depth, ctx.max_depth)
+        # All K heads in one matmul: on CPU a [K, H] x [H, V] product with K = 4 beat K = 3 (odd
+        # row counts can fall off the fast GEMM path), and the head compute is shared anyway.
         logits = self.heads.logits(self.model, ctx.root_hidden.to(self._dtype()))[:depth]  # [D, V]
         candidates = logits.topk(self.template.max_rank, dim=-1).indices  # [D, k]
         template = self.template if depth == self.template.depth else self._shallow(depth)
