@@ -33,7 +33,15 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--out", default=None, help="output path prefix (writes .json and .md)")
+    ap.add_argument("--resummarise", action="store_true",
+                    help="recompute <out>.json's summary and <out>.md from its stored records, run nothing")
     args = ap.parse_args(argv)
+    if args.resummarise:
+        with open(args.out + ".json") as f:
+            stored = json.load(f)
+        records = benchmark.from_rows(stored["records"])
+        write(args.out, stored["args"], records, stored.get("command", ""))
+        return
 
     model, tokenizer = selfspec.load_target(args.model)
     questions = []
@@ -48,15 +56,23 @@ def main(argv=None) -> None:
     methods = {spec: drafter_from_spec(model, spec, args.model) for spec in args.methods}
     records = benchmark.run(model, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature)
+    command = "python scripts/benchmark.py " + " ".join(argv or sys.argv[1:])
+    if args.out:
+        write(args.out, vars(args), records, command)
+    else:
+        print(benchmark.markdown_table(benchmark.summarise(records)))
+
+
+def write(out: str, args: dict, records, command: str) -> None:
+    """Write <out>.json (args, command, summary, records) and <out>.md (command + table)."""
     summary = benchmark.summarise(records)
     table = benchmark.markdown_table(summary)
     print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "records": benchmark.as_rows(records)}, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(f"`python scripts/benchmark.py {' '.join(argv or sys.argv[1:])}`\n\n{table}\n")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"args": args, "command": command, "summary": summary, "records": benchmark.as_rows(records)}, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(f"`{command}`\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--model", default=selfspec.DEFAULT_TARGET, help="alias, local folder or .gguf file")
     ap.add_argument("--drafter", default="auto",
-                    help="auto (shipped medusa heads if any, else ngram), medusa, ngram[:opts], a checkpoint folder, none")
+                    help="auto (shipped medusa heads + prompt lookup if heads ship for the model, else ngram), "
+                         "medusa, ngram[:opts], medusa+ngram, a checkpoint folder, none")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -47,19 +48,19 @@ def main(argv=None) -> None:
     ids = encode_chat(tokenizer, args.prompt, system=args.system)
     drafter_spec = args.drafter
     if drafter_spec == "auto":
-        drafter_spec = "medusa" if shipped_checkpoint(args.model, "medusa").is_dir() else "ngram"
+        drafter_spec = "medusa+ngram" if shipped_checkpoint(args.model, "medusa").is_dir() else "ngram"
     drafter = drafter_from_spec(model, drafter_spec, args.model)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                top_p=args.top_p, seed=args.seed)
     result = compare(model, ids, drafter, repeats=args.repeats, **gen)
-    spec_name = drafter.kind if drafter is not None else "none"
+    spec_name = drafter_spec
     spec, plain = result.spec, result.plain
     text = tokenizer.decode(spec.sequences[0, ids.shape[1]:], skip_special_tokens=True)
     print("\n" + "=" * 72 + f"\n{text}\n" + "=" * 72)
     print(f"prompt tokens        {ids.shape[1]}")
     print(f"new tokens           plain {plain.stats.new_tokens}, speculative {spec.stats.new_tokens}")
     print(f"plain decoding       {plain.stats.tokens_per_s:7.1f} tokens/s")
-    print(f"selfspec ({spec_name:6s})    {spec.stats.tokens_per_s:7.1f} tokens/s")
+    print(f"selfspec             {spec.stats.tokens_per_s:7.1f} tokens/s   (drafter: {spec_name})")
     print(f"speedup              {result.speedup:7.2f}x   (decode time, {args.repeats} alternating run(s))")
     print(f"mean accepted length {spec.stats.mean_accepted_length:7.2f}   (tokens per target pass, plain = 1)")
     acc = ", ".join(f"{a:.2f}" for a in spec.stats.acceptance_per_depth[:6])

@@ -3,8 +3,9 @@
 For every turn of every question, the plain baseline runs first and its reply becomes the
 conversation history of the next turn for every method, so all methods see identical prompts.
 Runs of the baseline and of each method alternate per prompt (machine noise hits all alike).
-Speedup of a method over a group of prompts = total baseline decode time / total method decode
-time on those prompts; MAT = total new tokens / total target passes.
+Speedup of a method over a group of prompts = its decode tokens/s / the baseline's decode tokens/s
+on those prompts (greedy: the same tokens, so a ratio of times; sampling: outputs differ in length,
+so rates are compared); MAT = total new tokens / total target passes.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def summarise(records: list[Record]) -> dict[str, dict[str, dict]]:
     groups["overall"] = list(records)
     out: dict[str, dict[str, dict]] = {}
     for cat, recs in groups.items():
-        base_time = sum(r.decode_time_s for r in recs if r.method == "baseline")
+        base = [r for r in recs if r.method == "baseline"]
+        base_rate = sum(r.new_tokens for r in base) / max(1e-9, sum(r.decode_time_s for r in base))
         out[cat] = {}
         for method in dict.fromkeys(r.method for r in recs):
             mine = [r for r in recs if r.method == method]
@@ -103,7 +105,7 @@ def summarise(records: list[Record]) -> dict[str, dict[str, dict]]:
                 prompts=len(mine),
                 new_tokens=tokens,
                 tokens_per_s=tokens / time_s if time_s else 0.0,
-                speedup=base_time / time_s if time_s else 0.0,
+                speedup=(tokens / time_s) / base_rate if time_s and base_rate else 0.0,
                 mean_accepted_length=tokens / max(1, sum(r.steps for r in mine)),
                 acceptance_per_depth=[a / t if t else 0.0 for a, t in zip(acc, tested)],
                 identical_share=sum(r.identical_to_baseline for r in mine) / len(mine),
@@ -113,6 +115,10 @@ def summarise(records: list[Record]) -> dict[str, dict[str, dict]]:
 
 def as_rows(records: list[Record]) -> list[dict]:
     return [asdict(r) for r in records]
+
+
+def from_rows(rows: list[dict]) -> list[Record]:
+    return [Record(**r) for r in rows]
 
 
 def markdown_table(summary: dict[str, dict[str, dict]]) -> str:
