@@ -90,11 +90,16 @@ class DraftTree:
         return TreeBuilder(root_token).build()
 
     def ancestors(self) -> torch.Tensor:
-        """``[n, n]`` bool, ``[i, j]`` true iff j is i or an ancestor of i (the tree attention)."""
-        n = self.num_nodes
-        anc = torch.eye(n, dtype=torch.bool)
-        for i, p in enumerate(self.parents.tolist()[1:], start=1):
-            anc[i] |= anc[p]
+        """``[n, n]`` bool, ``[i, j]`` true iff j is i or an ancestor of i (the tree attention).
+
+        Computed once per tree (the mask and the greedy verifier both read it); do not modify.
+        """
+        anc = self.__dict__.get("_ancestors")
+        if anc is None:
+            anc = torch.eye(self.num_nodes, dtype=torch.bool)
+            for i, p in enumerate(self.parents.tolist()[1:], start=1):
+                anc[i] |= anc[p]
+            self.__dict__["_ancestors"] = anc  # a cache, not state: the tree itself is immutable
         return anc
 
     def path_to(self, node: int) -> list[int]:
