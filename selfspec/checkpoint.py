@@ -130,7 +130,10 @@ def read_checkpoint(path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def check_target(meta: dict, model, path) -> None:
     """Refuse a checkpoint whose recorded target differs from ``model``."""
-    want = TargetIdentity(**meta["target"])
+    try:
+        want = TargetIdentity(**meta["target"])
+    except (KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no valid target identity: {err!r}") from None
     try:
         want.signature.check(model, what=f"checkpoint {str(path)!r}")
     except ValueError as err:

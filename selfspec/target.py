@@ -11,7 +11,9 @@
 Architectures with per-layer attention types (``config.layer_types``: Gemma 3, Qwen 2/3 with
 sliding windows) get one mask per type, passed as the ``{layer_type: mask}`` mapping those models
 accept; a sliding layer additionally hides keys at positions ``<= q_pos - sliding_window``, the
-same rule transformers uses. No modeling code is copied or patched.
+same rule transformers uses. Models with one model-wide window and no layer types (Mistral) get
+that window in their single mask, since a custom 4D mask bypasses transformers' own windowing.
+No modeling code is copied or patched.
 """
 
 from __future__ import annotations
@@ -115,14 +117,16 @@ class TreeTarget:
         n = tree.num_nodes
         visible = torch.ones(n, prefix_len + n, dtype=torch.bool)
         visible[:, prefix_len:] = tree.ancestors()
-        if not self.layer_types:
-            return self._additive(visible)
-        masks = {"full_attention": self._additive(visible)}
-        if "sliding_attention" in self.layer_types:
+        windowed = None
+        if self.sliding_window is not None and (not self.layer_types or "sliding_attention" in self.layer_types):
             q_pos = prefix_len + tree.depths  # [n]
             k_pos = torch.cat([torch.arange(prefix_len), q_pos])  # [prefix_len + n]
-            in_window = k_pos[None, :] > q_pos[:, None] - self.sliding_window
-            masks["sliding_attention"] = self._additive(visible & in_window)
+            windowed = visible & (k_pos[None, :] > q_pos[:, None] - self.sliding_window)
+        if not self.layer_types:  # one attention type; a model-wide window (Mistral) applies to all
+            return self._additive(visible if windowed is None else windowed)
+        masks = {"full_attention": self._additive(visible)}
+        if "sliding_attention" in self.layer_types:
+            masks["sliding_attention"] = self._additive(windowed)
         return masks
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:

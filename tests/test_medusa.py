@@ -94,6 +94,10 @@ def test_foreign_and_corrupt_checkpoints_are_refused(tmp_path):
     (path / "drafter.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         selfspec.load_drafter(path, model)
+    (path / "drafter.json").write_text(json.dumps({"format": "selfspec-drafter", "version": 1, "kind": "medusa"}))
+    (path / "adapter.safetensors").write_bytes(data)
+    with pytest.raises(CheckpointError, match="no valid target identity"):
+        selfspec.load_drafter(path, model)
     (path / "drafter.json").write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(CheckpointError, match="not a selfspec drafter config"):
         selfspec.load_drafter(path, model)

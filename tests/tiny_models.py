@@ -8,13 +8,15 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
 
 
 def tiny_model(family: str = "llama", *, vocab: int = 64, seed: int = 0, dtype=torch.float64):
@@ -33,6 +35,8 @@ def tiny_model(family: str = "llama", *, vocab: int = 64, seed: int = 0, dtype=t
         model = Qwen2ForCausalLM(cfg)
     elif family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, head_dim=8, **common))
+    elif family == "mistral":  # one model-wide sliding window, no per-layer types
+        model = MistralForCausalLM(MistralConfig(num_hidden_layers=2, sliding_window=5, **common))
     elif family == "gemma3":
         cfg = Gemma3TextConfig(num_hidden_layers=3, head_dim=8, sliding_window=5,
                                layer_types=["sliding_attention", "sliding_attention", "full_attention"],

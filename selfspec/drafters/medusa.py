@@ -167,7 +167,7 @@ def medusa_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor]) 
     """Rebuild the drafter from a checkpoint already checked against ``model``."""
     try:
         cfg = MedusaConfig(**meta["config"])
-    except TypeError as err:
+    except (KeyError, TypeError) as err:
         raise ValueError(f"medusa checkpoint config is invalid: {err}") from None
     param = next(model.parameters())
     hidden = model.config.get_text_config(decoder=True).hidden_size
