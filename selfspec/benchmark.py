@@ -11,12 +11,13 @@ so rates are compared); MAT = total new tokens / total target passes.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from tqdm.auto import tqdm
 
 from .chat import encode_chat
+from .drafters.base import Drafter
 from .engine import SpecOutput, generate
 from .workloads import Question
 
@@ -43,7 +44,7 @@ def run(
     model,
     tokenizer,
     questions: Iterable[Question],
-    methods: dict[str, Callable[..., SpecOutput] | object | None],
+    methods: dict[str, Drafter | None],
     *,
     max_new_tokens: int = 128,
     temperature: float = 0.0,

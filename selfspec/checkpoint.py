@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .drafters.base import TargetSignature
-from .fingerprint import target_fingerprint
+from .fingerprint import target_fingerprint, tokenizer_fingerprint
 
 FORMAT, VERSION = "selfspec-drafter", 1
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "adapter.safetensors"
@@ -81,8 +81,6 @@ class TargetIdentity:
 
     @classmethod
     def of(cls, model, tokenizer=None) -> "TargetIdentity":
-        from .fingerprint import tokenizer_fingerprint
-
         sig = TargetSignature.of(model)
         tok = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
         return cls(sig.model_type, sig.vocab_size, sig.hidden_size, sig.num_layers, target_fingerprint(model), tok)

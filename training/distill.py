@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.chat import encode_chat
+from selfspec.loading import DEFAULT_TARGET
 from selfspec.fingerprint import target_fingerprint
 from selfspec.workloads import load_bfcl
 
@@ -65,7 +66,7 @@ class DistillJob:
     """``scripts/distill_data.py`` config: which target, where to write, what to distil."""
 
     recipe: str = "distill"
-    target: str = "smollm2-135m-instruct"
+    target: str = DEFAULT_TARGET
     out: str = "runs/distill/smollm2"
     distill: DistillConfig = field(default_factory=DistillConfig)
 
@@ -120,7 +121,7 @@ def _answer(model, tokenizer, prompts: list[dict], cfg: DistillConfig, seed: int
         ids[i, width - len(e):] = e
         mask[i, width - len(e):] = 1
     device = next(model.parameters()).device
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # transformers' generate samples from the global RNG; seed it per batch
     kwargs = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p) if sampled else dict(do_sample=False)
     out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=cfg.max_new_tokens,
                          pad_token_id=pad, **kwargs).cpu()

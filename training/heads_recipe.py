@@ -160,18 +160,31 @@ class HeadsRecipe:
                                init_kwargs={"wandb": {"mode": cfg.run.wandb_mode, "dir": str(self.out)}})
 
     def _features(self) -> FeatureCache:
-        """Target hidden states, cached in the run folder as safetensors (rebuilt if absent)."""
+        """Target hidden states, cached in the run folder as safetensors.
+
+        The cache is reused only when its recorded key (target fingerprint, dataset path and size,
+        heads, max_len, dtype) equals this run's; otherwise it is rebuilt, never silently reused.
+        """
+        from safetensors import safe_open
         from safetensors.torch import load_file, save_file
 
+        from selfspec.fingerprint import target_fingerprint
+
+        cfg = self.cfg
+        key = json.dumps([target_fingerprint(self.model), str(cfg.dataset), len(self.dataset),
+                          cfg.medusa.num_heads, cfg.max_len, cfg.run.feature_dtype])
         path = self.out / "features.safetensors"
         if path.exists():
-            t = load_file(str(path))
-            if t["labels"].shape[1] == self.cfg.medusa.num_heads:
+            with safe_open(str(path), "pt") as f:
+                cached_key = (f.metadata() or {}).get("key")
+            if cached_key == key:
+                t = load_file(str(path))
                 return FeatureCache(t["hidden"], t["positions"], t["labels"], t["example"])
-        dtype = getattr(torch, self.cfg.run.feature_dtype)
-        feats = build_features(self.model, self.dataset, self.cfg.medusa.num_heads, max_len=self.cfg.max_len, dtype=dtype)
+        dtype = getattr(torch, cfg.run.feature_dtype)
+        feats = build_features(self.model, self.dataset, cfg.medusa.num_heads, max_len=cfg.max_len, dtype=dtype)
         tmp = path.with_suffix(".tmp")
-        save_file({k: getattr(feats, k).contiguous() for k in ("hidden", "positions", "labels", "example")}, str(tmp))
+        tensors = {k: getattr(feats, k).contiguous() for k in ("hidden", "positions", "labels", "example")}
+        save_file(tensors, str(tmp), metadata={"key": key})
         tmp.replace(path)
         return feats
 

@@ -100,19 +100,20 @@ def drafter_from_spec(model, spec: str, target: str | None = None) -> Drafter | 
     return build_drafter(model, kind, **options)
 
 
-def _build_medusa(model, **options) -> MedusaDrafter:
-    known = {f.name for f in fields(MedusaConfig)}
+def _check_options(kind: str, config_cls, options: dict) -> None:
+    known = {f.name for f in fields(config_cls)}
     unknown = set(options) - known
     if unknown:
-        raise ValueError(f"unknown medusa drafter options {sorted(unknown)}; known: {sorted(known)}")
+        raise ValueError(f"unknown {kind} drafter options {sorted(unknown)}; known: {sorted(known)}")
+
+
+def _build_medusa(model, **options) -> MedusaDrafter:
+    _check_options("medusa", MedusaConfig, options)
     return build_medusa(model, **options)
 
 
 def _build_ngram(model, **options) -> NgramDrafter:
-    known = {f.name for f in fields(NgramConfig)}
-    unknown = set(options) - known
-    if unknown:
-        raise ValueError(f"unknown ngram drafter options {sorted(unknown)}; known: {sorted(known)}")
+    _check_options("ngram", NgramConfig, options)
     return NgramDrafter(NgramConfig(**options), TargetSignature.of(model))
 
 
