@@ -113,6 +113,7 @@ def decode(
     length = ids.shape[0]
     if drafter is not None:
         drafter.reset()
+    share = drafter is not None and drafter.shares_target_cache and getattr(target, "supports_handoff", False)
     root_hidden = target.prefill(ids)
     _sync(target)
     stats.prefill_time_s = time.perf_counter() - start
@@ -123,13 +124,13 @@ def decode(
             finish = "context"
             break
         t0 = time.perf_counter()
-        ctx = DraftContext(tokens[:length], root_hidden, budget - 1, cfg, gen)
+        ctx = DraftContext(tokens[:length], root_hidden, budget - 1, cfg, gen, target.cache if share else None)
         tree = DraftTree.root_only(int(tokens[length - 1])) if drafter is None or budget == 1 else _checked(
             drafter.propose(ctx), ctx
         )
         t1 = time.perf_counter()
         prefix = target.prefix_len
-        scored = target.forward_tree(tree)
+        scored = target.forward_tree(tree, ctx.handoff) if ctx.handoff is not None else target.forward_tree(tree)
         verdict = verify_tree(tree, scored.logits, cfg, gen)
         target.commit(verdict.path, prefix)
         _sync(target)
@@ -157,6 +158,8 @@ def decode(
 def _checked(tree: DraftTree, ctx: DraftContext) -> DraftTree:
     if int(tree.tokens[0]) != ctx.root_token:
         raise ValueError(f"drafter returned a tree rooted at {int(tree.tokens[0])}, expected {ctx.root_token}")
+    if ctx.handoff is not None and tree.depth > ctx.max_depth:
+        raise ValueError(f"drafter returned a tree of depth {tree.depth} > max_depth {ctx.max_depth} with a layer handoff")
     return tree.prune_depth(ctx.max_depth)
 
 

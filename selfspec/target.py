@@ -8,12 +8,12 @@
   depth``; returns each node's logits (and last hidden state when asked);
 * ``commit(path)``: compacts the KV cache to the accepted path (see :mod:`selfspec.kv_cache`).
 
-Architectures with per-layer attention types (``config.layer_types``: Gemma 3, Qwen 2/3 with
-sliding windows) get one mask per type, passed as the ``{layer_type: mask}`` mapping those models
-accept; a sliding layer additionally hides keys at positions ``<= q_pos - sliding_window``, the
-same rule transformers uses. Models with one model-wide window and no layer types (Mistral) get
-that window in their single mask, since a custom 4D mask bypasses transformers' own windowing.
-No modeling code is copied or patched.
+A layer-skip drafter that ran the target's own unmodified first E layers over every tree node (in
+flat order, writing their KV into this cache) hands over their outputs as a :class:`LayerHandoff`;
+``forward_tree`` then runs only layers E..L-1 (:mod:`selfspec.layer_slice`): same logits, E fewer
+layers per node.
+
+Masks: :mod:`selfspec.attention_mask`. No modeling code is copied or patched.
 """
 
 from __future__ import annotations
@@ -22,11 +22,25 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention_mask import MaskBuilder
 from .kv_cache import cache_length, keep_path, new_cache
+from .layer_slice import LayerSlice, num_layers, slices_compose
 from .lm_head import head_matches_forward, lm_logits
 from .tree import DraftTree
 
-_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+@dataclass
+class LayerHandoff:
+    """Work a drafter already did for this tree with the target's own first layers.
+
+    Attributes:
+        layers: E, the number of leading decoder layers that ran over every tree node; their KV
+            for the nodes follow the committed prefix in the target's cache, in flat order.
+        hidden: ``[n, H]`` the output of layer E-1 (before any drafter adapter) for each node.
+    """
+
+    layers: int
+    hidden: torch.Tensor
 
 
 @dataclass
@@ -53,23 +67,24 @@ class TreeTarget:
     def __init__(self, model, *, want_hidden: bool = False):
         self.model = model
         self.want_hidden = want_hidden
-        config = model.config.get_text_config(decoder=True)
-        self.layer_types = sorted(set(getattr(config, "layer_types", None) or []))
-        unknown = set(self.layer_types) - _SUPPORTED_LAYER_TYPES
-        if unknown:
-            raise ValueError(f"selfspec cannot build tree masks for attention layer types {sorted(unknown)}")
-        self.sliding_window = getattr(config, "sliding_window", None)
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.masks = MaskBuilder(model)
+        self.device, self.dtype = self.masks.device, self.masks.dtype
         self.cache = new_cache()
+        self._prefix = 0
+        self._upper: dict[int, LayerSlice] = {}
         # Decoder + our own LM-head matmul when that provably equals the model's forward (faster
         # for small trees on CPU, see selfspec.lm_head); the full forward otherwise.
         self.decoder = model.get_decoder() if head_matches_forward(model) else None
 
     @property
+    def supports_handoff(self) -> bool:
+        """Whether :meth:`forward_tree` can resume from a drafter's :class:`LayerHandoff`."""
+        return self.decoder is not None and slices_compose(self.model)
+
+    @property
     def prefix_len(self) -> int:
         """Committed (cached) positions."""
-        return cache_length(self.cache)
+        return self._prefix
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor | None:
@@ -79,6 +94,7 @@ class TreeTarget:
         root) when hidden states are wanted and the prompt has two tokens or more, else ``None``.
         """
         self.cache = new_cache()
+        self._prefix = max(0, ids.shape[0] - 1)
         if ids.shape[0] < 2:
             return None
         inputs = dict(input_ids=ids[None, :-1].to(self.device), cache=self.cache, use_cache=True)
@@ -89,16 +105,28 @@ class TreeTarget:
         return out.hidden_states[-1][0, -1] if self.want_hidden else None
 
     @torch.no_grad()
-    def forward_tree(self, tree: DraftTree) -> TreeOutput:
-        """One forward over ``tree``; the tree's KV is appended to the cache until :meth:`commit`."""
+    def forward_tree(self, tree: DraftTree, handoff: LayerHandoff | None = None) -> TreeOutput:
+        """One forward over ``tree``; the tree's KV is appended to the cache until :meth:`commit`.
+
+        With a ``handoff`` only layers ``handoff.layers .. L-1`` run, from ``handoff.hidden``.
+        """
         prefix = self.prefix_len
-        inputs = dict(
-            input_ids=tree.tokens[None].to(self.device),
-            attention_mask=self.tree_mask(tree, prefix),
-            position_ids=(prefix + tree.depths).to(self.device)[None],  # [1, n]
-            cache=self.cache,
-            use_cache=True,
-        )
+        expected = prefix + (tree.num_nodes if handoff is not None else 0)
+        if cache_length(self.cache) != expected:  # a drafter left the shared cache inconsistent
+            raise RuntimeError(f"KV cache holds {cache_length(self.cache)} slots before the tree pass, expected {expected}")
+        mask = self.tree_mask(tree, prefix)
+        positions = (prefix + tree.depths).to(self.device)[None]  # [1, n]
+        if handoff is not None:
+            if self.decoder is None or handoff.hidden.shape[0] != tree.num_nodes:
+                raise RuntimeError("a layer handoff needs the decoder/LM-head split and one hidden row per node")
+            upper = self._upper.get(handoff.layers)
+            if upper is None:
+                upper = self._upper[handoff.layers] = LayerSlice(self.model, range(handoff.layers, num_layers(self.model)))
+            hidden = upper(inputs_embeds=handoff.hidden[None], attention_mask=mask, position_ids=positions,
+                           cache=self.cache)[0]
+            return TreeOutput(lm_logits(self.model, hidden), hidden if self.want_hidden else None)
+        inputs = dict(input_ids=tree.tokens[None].to(self.device), attention_mask=mask, position_ids=positions,
+                      cache=self.cache, use_cache=True)
         if self.decoder is not None:
             hidden = self.decoder(**inputs).last_hidden_state[0]
             return TreeOutput(lm_logits(self.model, hidden), hidden if self.want_hidden else None)
@@ -108,28 +136,11 @@ class TreeTarget:
     def commit(self, path: list[int], prefix_len: int) -> None:
         """Keep the KV of the accepted ``path`` after the ``prefix_len`` committed slots."""
         keep_path(self.cache, prefix_len, path)
+        self._prefix = prefix_len + len(path)
 
     def tree_mask(self, tree: DraftTree, prefix_len: int):
         """The additive 4D mask ``[1, 1, n, prefix_len + n]`` (0 = visible, dtype min = hidden).
 
         Returns a tensor, or a ``{layer_type: tensor}`` mapping for models with typed layers.
         """
-        n = tree.num_nodes
-        visible = torch.ones(n, prefix_len + n, dtype=torch.bool)
-        visible[:, prefix_len:] = tree.ancestors()
-        windowed = None
-        if self.sliding_window is not None and (not self.layer_types or "sliding_attention" in self.layer_types):
-            q_pos = prefix_len + tree.depths  # [n]
-            k_pos = torch.cat([torch.arange(prefix_len), q_pos])  # [prefix_len + n]
-            windowed = visible & (k_pos[None, :] > q_pos[:, None] - self.sliding_window)
-        if not self.layer_types:  # one attention type; a model-wide window (Mistral) applies to all
-            return self._additive(visible if windowed is None else windowed)
-        masks = {"full_attention": self._additive(visible)}
-        if "sliding_attention" in self.layer_types:
-            masks["sliding_attention"] = self._additive(windowed)
-        return masks
-
-    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
-        mask = torch.zeros(visible.shape, dtype=self.dtype)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-        return mask[None, None].to(self.device)
+        return self.masks.tree(tree.ancestors(), tree.depths, prefix_len)

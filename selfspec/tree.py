@@ -144,6 +144,10 @@ class TreeBuilder:
         self._laws.append(int(law))
         return len(self._tokens) - 1
 
+    def token(self, node: int) -> int:
+        """Token id of an added node."""
+        return self._tokens[node]
+
     def set_draft_probs(self, node: int, q: torch.Tensor) -> None:
         """Record ``q`` ``[V]``, the distribution ``node``'s sampled children were drawn from."""
         self._rows[node] = q

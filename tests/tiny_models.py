@@ -19,8 +19,9 @@ from transformers import (
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
 
 
-def tiny_model(family: str = "llama", *, vocab: int = 64, seed: int = 0, dtype=torch.float64):
-    """A 2-3 layer random model in eval mode; sliding-window families get a window of 5."""
+def tiny_model(family: str = "llama", *, vocab: int = 64, seed: int = 0, dtype=torch.float64, layers: int | None = None):
+    """A 2-3 layer (or ``layers``-layer) random model in eval mode; sliding-window families get a
+    window of 5 (Gemma 3: every third layer is full attention)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -28,18 +29,19 @@ def tiny_model(family: str = "llama", *, vocab: int = 64, seed: int = 0, dtype=t
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **common))
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers or 2, **common))
     elif family == "qwen2":
-        cfg = Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=5,
+        cfg = Qwen2Config(num_hidden_layers=layers or 3, use_sliding_window=True, sliding_window=5,
                           max_window_layers=1, **common)
         model = Qwen2ForCausalLM(cfg)
     elif family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, head_dim=8, **common))
+        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers or 2, head_dim=8, **common))
     elif family == "mistral":  # one model-wide sliding window, no per-layer types
-        model = MistralForCausalLM(MistralConfig(num_hidden_layers=2, sliding_window=5, **common))
+        model = MistralForCausalLM(MistralConfig(num_hidden_layers=layers or 2, sliding_window=5, **common))
     elif family == "gemma3":
-        cfg = Gemma3TextConfig(num_hidden_layers=3, head_dim=8, sliding_window=5,
-                               layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        n = layers or 3
+        types = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(n)]
+        cfg = Gemma3TextConfig(num_hidden_layers=n, head_dim=8, sliding_window=5, layer_types=types,
                                query_pre_attn_scalar=8, final_logit_softcapping=30.0, **common)
         model = Gemma3ForCausalLM(cfg)
     else:

@@ -6,7 +6,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Callable
 
+import yaml
+
 from .base import DraftContext, Drafter, TargetSignature
+from .layerskip import (LayerSkipConfig, LayerSkipDrafter, build_layerskip, layerskip_from_checkpoint,
+                        layerskip_weights)
 from .medusa import MedusaConfig, MedusaDrafter, build_medusa, medusa_from_checkpoint, medusa_weights
 from .ngram import NgramConfig, NgramDrafter
 from .union import UnionDrafter
@@ -96,7 +100,7 @@ def drafter_from_spec(model, spec: str, target: str | None = None) -> Drafter | 
     options = {}
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
-        options[key] = int(value) if value.lstrip("-").isdigit() else value
+        options[key] = yaml.safe_load(value)  # 3 -> int, 0.1 -> float, false -> bool, text -> str
     return build_drafter(model, kind, **options)
 
 
@@ -110,6 +114,11 @@ def _check_options(kind: str, config_cls, options: dict) -> None:
 def _build_medusa(model, **options) -> MedusaDrafter:
     _check_options("medusa", MedusaConfig, options)
     return build_medusa(model, **options)
+
+
+def _build_layerskip(model, **options) -> LayerSkipDrafter:
+    _check_options("layerskip", LayerSkipConfig, options)
+    return build_layerskip(model, **options)
 
 
 def _build_ngram(model, **options) -> NgramDrafter:
@@ -127,8 +136,10 @@ register("ngram", _build_ngram)
 register("union", _build_union)
 register("medusa", _build_medusa)
 _CHECKPOINTS["medusa"] = (medusa_weights, medusa_from_checkpoint)
+register("layerskip", _build_layerskip)
+_CHECKPOINTS["layerskip"] = (layerskip_weights, layerskip_from_checkpoint)
 
 __all__ = [
-    "DraftContext", "Drafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "TargetSignature",
+    "DraftContext", "Drafter", "LayerSkipConfig", "LayerSkipDrafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "TargetSignature",
     "UnionDrafter", "build_drafter", "drafter_from_spec", "load_drafter", "register", "save_drafter", "shipped_checkpoint",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -64,6 +65,12 @@ class DraftContext:
         max_depth: deepest draft the engine can use this step (token and context budget).
         sampling: the target's sampling parameters (drafts may use their own).
         generator: the generator for any sampled draft.
+        cache: the target's KV cache (committed prefix only), given only to drafters with
+            ``shares_target_cache`` when the target can resume from a layer handoff; ``None``
+            otherwise (the drafter then keeps its own cache).
+        handoff: set by such a drafter when it wrote its first layers' KV for every tree node
+            into ``cache`` (a :class:`selfspec.target.LayerHandoff`); the verify pass resumes
+            from it.
     """
 
     tokens: torch.Tensor
@@ -71,6 +78,8 @@ class DraftContext:
     max_depth: int
     sampling: SamplingConfig
     generator: torch.Generator
+    cache: Any = None
+    handoff: Any = None
 
     @property
     def root_token(self) -> int:
@@ -83,6 +92,9 @@ class Drafter(ABC):
     kind: str = "abstract"
     #: True when :meth:`propose` reads ``ctx.root_hidden`` (the engine then keeps hidden states).
     needs_hidden: bool = False
+    #: True when :meth:`propose` can run the target's own first layers in the target's cache and
+    #: hand their outputs to the verify pass (``DraftContext.cache`` / ``handoff``).
+    shares_target_cache: bool = False
 
     def __init__(self, signature: TargetSignature | None = None):
         self.signature = signature
