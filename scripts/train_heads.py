@@ -1,6 +1,7 @@
-"""Train Medusa-style heads on a frozen target from self-distilled data.
+"""Train a drafter (Medusa heads or a layer-skip exit adapter) on a frozen target from self-distilled data.
 
     python scripts/train_heads.py --config configs/medusa_smollm2.yaml [--resume] [optim.lr=3e-4 ...]
+    python scripts/train_heads.py --config configs/layerskip_smollm2.yaml
 
 On a GPU machine: accelerate launch scripts/train_heads.py --config configs/medusa_qwen2.5-7b_gpu.yaml
 Interrupted? Rerun the same command with --resume: training continues from the last checkpoint.
@@ -28,9 +29,11 @@ def main(argv=None) -> None:
     cfg = load_config(HeadsTrainConfig, args.config, args.overrides)
     summary = run(cfg, resume=args.resume)
     m = summary["metrics"]
-    print(f"steps {summary['steps']}; held-out top-1 per head "
-          f"{[round(a[0], 3) for a in m['eval/rank_accuracy']]}; expected MAT {m['eval/expected_mat_current_tree']:.2f}")
-    print(f"tree: {summary['tree']}")
+    mat = m.get("eval/expected_mat_current_tree", m.get("eval/expected_mat_chain"))
+    print(f"steps {summary['steps']}; held-out top-1 per prediction "
+          f"{[round(a[0], 3) for a in m['eval/rank_accuracy']]}; expected MAT {mat:.2f}")
+    if summary["tree"] is not None:
+        print(f"tree: {summary['tree']}")
 
 
 if __name__ == "__main__":

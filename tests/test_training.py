@@ -91,3 +91,41 @@ def test_every_config_loads(path):
 def test_unknown_config_key_is_named(tmp_path):
     with pytest.raises(ValueError, match="optim.lrr"):
         load_config(HeadsTrainConfig, None, ["optim.lrr=1"])
+
+
+def test_layerskip_training_lowers_loss_resumes_and_exports(tmp_path):
+    """The exit adapter on a 4-layer model (exit after layer 2) learns the full model's law,
+    resumes from its checkpoint, and exports a drafter whose greedy output is still exact."""
+    model = tiny_model("llama", vocab=64, dtype=torch.float32, layers=4)
+    with torch.no_grad():  # make the skipped layers matter, so the plain exit is a poor draft
+        for layer in model.model.layers[2:]:
+            layer.mlp.down_proj.weight.mul_(20)
+    data = tiny_dataset(model)
+    overrides = [f"run.out_dir={tmp_path / 'run'}", "run.wandb_mode=disabled", "run.log_every=2",
+                 "run.eval_every=5", "run.ckpt_every=5", "optim.batch_size=32", "optim.lr=0.01",
+                 "optim.warmup_steps=1", "optim.epochs=3", "kind=layerskip", "layerskip.exit_layer=2",
+                 "loss=kl", "eval_fraction=0.25", f"export={tmp_path / 'exported'}"]
+    recipe = HeadsRecipe(load_config(HeadsTrainConfig, None, overrides), model=model, dataset=data)
+    recipe.setup()
+    assert recipe.features.exit_hidden.shape == recipe.features.hidden.shape
+    before = recipe.evaluate()["eval/loss"]
+    recipe.train(stop_at=7)
+    resumed = HeadsRecipe(load_config(HeadsTrainConfig, None, overrides), model=model, dataset=data)
+    resumed.setup(resume=True)
+    assert resumed.step == 5
+    resumed.train()
+    after = resumed.evaluate()["eval/loss"]
+    resumed.export()
+    assert after < 0.85 * before, (before, after)  # an untrained (identity) adapter scores before
+    drafter = selfspec.load_drafter(tmp_path / "exported", model)
+    assert drafter.kind == "layerskip" and drafter.cfg.exit_layer == 2
+    for a, b in zip(drafter.adapter.parameters(), resumed.heads.parameters()):
+        torch.testing.assert_close(a, b)
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    reference = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert torch.equal(selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=16).sequences, reference)
+
+
+def test_layerskip_training_refuses_a_plain_exit():
+    with pytest.raises(ValueError, match="pick_exit_layer"):
+        load_config(HeadsTrainConfig, None, ["kind=layerskip", "layerskip.adapter=none"])

@@ -7,6 +7,9 @@ the last prompt token to the end, i.e. every position whose next token was writt
 ``labels[i, k]`` is the token ``k + 2`` positions after ``positions[i]`` (what head k+1 must
 guess; ``-100`` where it falls outside the example or inside the prompt). The target's own next
 token law at row ``g + k`` is what head k+1 would ideally match (used by the KL loss).
+
+Layer-skip drafters are trained on ``exit_hidden``: the output of layer E-1 (before the final norm)
+at the same rows, with ``first = 1`` (label = the very next token, target law at the same row).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class FeatureCache:
 
     hidden: ``[T, H]`` cached last hidden states (float32 or bfloat16, CPU), per example the rows
         from its last prompt token to its end.
+    exit_hidden: ``[T, H]`` outputs of the first E layers at the same rows, or ``None``.
     positions: ``[N]`` rows of ``hidden`` that training reads.
     labels: ``[N, K]`` target tokens per head, ``IGNORE`` where undefined.
     example: ``[N]`` example index of each position (for splits).
@@ -34,18 +38,20 @@ class FeatureCache:
     positions: torch.Tensor
     labels: torch.Tensor
     example: torch.Tensor
+    exit_hidden: torch.Tensor | None = None
 
     def subset(self, mask: torch.Tensor) -> "FeatureCache":
-        return FeatureCache(self.hidden, self.positions[mask], self.labels[mask], self.example[mask])
+        return FeatureCache(self.hidden, self.positions[mask], self.labels[mask], self.example[mask], self.exit_hidden)
 
 
-def head_labels(tokens: torch.Tensor, prompt_len: int, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def head_labels(tokens: torch.Tensor, prompt_len: int, num_heads: int, first: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions and labels of one example.
 
     Args:
         tokens: ``[L]`` prompt followed by the target's response.
         prompt_len: number of prompt tokens (>= 1).
         num_heads: K.
+        first: offset of head 1's label (2 for Medusa heads, 1 for a next-token drafter).
 
     Returns:
         ``(positions [n], labels [n, K])`` with ``positions = prompt_len - 1 .. L - 2``.
@@ -54,7 +60,7 @@ def head_labels(tokens: torch.Tensor, prompt_len: int, num_heads: int) -> tuple[
     positions = torch.arange(prompt_len - 1, length - 1)
     labels = torch.full((positions.shape[0], num_heads), IGNORE, dtype=torch.long)
     for k in range(num_heads):
-        src = positions + k + 2  # head k+1 at position t guesses token t + k + 2
+        src = positions + k + first  # head k+1 at position t guesses token t + k + first
         ok = src < length
         labels[ok, k] = tokens[src[ok]]
     return positions, labels
@@ -62,9 +68,16 @@ def head_labels(tokens: torch.Tensor, prompt_len: int, num_heads: int) -> tuple[
 
 @torch.no_grad()
 def build_features(model, dataset, num_heads: int, *, max_len: int = 1024, dtype=torch.float32,
-                   progress: bool = True) -> FeatureCache:
-    """Run the frozen target once over every example and collect positions and labels."""
+                   progress: bool = True, exit_layer: int | None = None, first: int = 2) -> FeatureCache:
+    """Run the frozen target once over every example and collect positions and labels (and the
+    first ``exit_layer`` layers' outputs when given, through the same split inference uses)."""
+    from selfspec.layer_slice import LayerSlice, num_layers
+
     decoder = model.get_decoder()
+    if exit_layer is not None:
+        lower = LayerSlice(model, range(exit_layer), final_norm=False)
+        upper = LayerSlice(model, range(exit_layer, num_layers(model)))
+    exits = []
     device = next(model.parameters()).device
     hidden, positions, labels, example = [], [], [], []
     offset = 0
@@ -74,11 +87,17 @@ def build_features(model, dataset, num_heads: int, *, max_len: int = 1024, dtype
         if len(response) == 0 or len(prompt) >= tokens.shape[0]:
             continue
         start = len(prompt) - 1  # rows before the last prompt token are never read
-        h = decoder(input_ids=tokens[None].to(device)).last_hidden_state[0, start:]
-        pos, lab = head_labels(tokens, len(prompt), num_heads)
+        if exit_layer is None:
+            h = decoder(input_ids=tokens[None].to(device)).last_hidden_state[0, start:]
+        else:
+            low = lower(input_ids=tokens[None].to(device))
+            h = upper(inputs_embeds=low)[0, start:]
+            exits.append(low[0, start:].to("cpu", dtype))
+        pos, lab = head_labels(tokens, len(prompt), num_heads, first)
         hidden.append(h.to("cpu", dtype))
         positions.append(pos - start + offset)
         labels.append(lab)
         example.append(torch.full_like(pos, i))
         offset += h.shape[0]
-    return FeatureCache(torch.cat(hidden), torch.cat(positions), torch.cat(labels), torch.cat(example))
+    return FeatureCache(torch.cat(hidden), torch.cat(positions), torch.cat(labels), torch.cat(example),
+                        torch.cat(exits) if exits else None)

@@ -1,4 +1,8 @@
-"""Recipe: train Medusa-style heads on a frozen target from self-distilled data.
+"""Recipe: train a drafter on a frozen target from self-distilled data.
+
+Two kinds share the recipe: Medusa-style heads (``kind: medusa``, K heads guessing t+2..t+K+1 from
+the last hidden state) and the layer-skip exit adapter (``kind: layerskip``, one next-token
+prediction from the first E layers' output through the adapter, final norm and LM head).
 
 setup (target, data, cached target features, heads, optimizer, accelerate, wandb, resume) ->
 train (seeded, resumable, logged, periodically checkpointed) -> export (tree chosen from measured
@@ -20,7 +24,8 @@ from tqdm.auto import tqdm
 import selfspec
 from selfspec.checkpoint import atomic_dir, atomic_write_text
 from selfspec.drafters import save_drafter
-from selfspec.drafters.medusa import MedusaConfig, MedusaDrafter
+from selfspec.drafters.layerskip import LayerSkipConfig
+from selfspec.drafters.medusa import MedusaConfig
 from selfspec.lm_head import lm_logits
 from selfspec.tree_search import best_tree, expected_accepted_length
 
@@ -84,8 +89,10 @@ class HeadsTrainConfig:
         recipe: always ``train_heads`` (tells config files apart).
         target: target alias or path (see ``selfspec.load_target``).
         dataset: a self-distilled ``datasets`` folder (``scripts/distill_data.py``).
-        kind: drafter kind to train (``medusa``).
-        medusa: head shape.
+        kind: drafter kind to train: ``medusa`` or ``layerskip``.
+        medusa: head shape (kind ``medusa``).
+        layerskip: exit layer, adapter and tree policy (kind ``layerskip``; the adapter must be
+            ``block``: the plain early exit has nothing to train).
         loss: ``ce`` (self-distilled tokens) or ``kl`` (target's full law).
         head_decay: loss weight of head k is ``head_decay ** (k - 1)``.
         eval_fraction: share of examples held out for evaluation.
@@ -100,6 +107,7 @@ class HeadsTrainConfig:
     dataset: str = "runs/distill/smollm2/dataset"
     kind: str = "medusa"
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    layerskip: LayerSkipConfig = field(default_factory=LayerSkipConfig)
     loss: str = "ce"
     head_decay: float = 0.8
     eval_fraction: float = 0.05
@@ -113,8 +121,14 @@ class HeadsTrainConfig:
     def __post_init__(self) -> None:
         if self.recipe != "train_heads":
             raise ValueError(f"this config is for recipe {self.recipe!r}, not 'train_heads'")
-        if self.kind != "medusa":
-            raise ValueError(f"train_heads trains kind 'medusa' here, got {self.kind!r}")
+        if self.kind not in ("medusa", "layerskip"):
+            raise ValueError(f"train_heads trains kind 'medusa' or 'layerskip', got {self.kind!r}")
+        if self.kind == "layerskip":
+            if self.layerskip.adapter != "block":
+                raise ValueError("layerskip.adapter must be 'block' to train (the plain early exit has no "
+                                 "weights: pick its exit layer with scripts/pick_exit_layer.py)")
+            if self.layerskip.layers is not None:
+                raise ValueError("training supports exit layers (layerskip.exit_layer), not layer subsets")
         if self.loss not in ("ce", "kl"):
             raise ValueError(f"loss must be 'ce' or 'kl', got {self.loss!r}")
         if self.run.wandb_mode not in ("offline", "disabled", "online"):
@@ -147,9 +161,10 @@ class HeadsRecipe:
             self.dataset = load_from_disk(cfg.dataset)
         self.features = self._features()
         self.train_set, self.eval_set = self._split(self.features)
-        drafter = selfspec.build_drafter(self.model, "medusa", **asdict(cfg.medusa))
-        self.drafter: MedusaDrafter = drafter
-        self.heads = drafter.heads.float().train()
+        options = asdict(cfg.medusa) if cfg.kind == "medusa" else asdict(cfg.layerskip)
+        self.drafter = selfspec.build_drafter(self.model, cfg.kind, **options)
+        # the trainable module: Medusa heads or the exit adapter (trained in float32)
+        self.heads = (self.drafter.heads if cfg.kind == "medusa" else self.drafter.adapter).float().train()
         self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         self.heads, self.optimizer = self.acc.prepare(self.heads, self.optimizer)
         self.total_steps = max(1, math.ceil(cfg.optim.epochs * len(self.train_set.positions) / cfg.optim.batch_size))
@@ -171,19 +186,21 @@ class HeadsRecipe:
         from selfspec.fingerprint import target_fingerprint
 
         cfg = self.cfg
-        key = json.dumps([target_fingerprint(self.model), str(cfg.dataset), len(self.dataset),
-                          cfg.medusa.num_heads, cfg.max_len, cfg.run.feature_dtype])
+        key = json.dumps([target_fingerprint(self.model), str(cfg.dataset), len(self.dataset), cfg.kind,
+                          self.num_outputs, self.exit_layer, cfg.max_len, cfg.run.feature_dtype])
         path = self.out / "features.safetensors"
         if path.exists():
             with safe_open(str(path), "pt") as f:
                 cached_key = (f.metadata() or {}).get("key")
             if cached_key == key:
                 t = load_file(str(path))
-                return FeatureCache(t["hidden"], t["positions"], t["labels"], t["example"])
+                return FeatureCache(t["hidden"], t["positions"], t["labels"], t["example"], t.get("exit_hidden"))
         dtype = getattr(torch, cfg.run.feature_dtype)
-        feats = build_features(self.model, self.dataset, cfg.medusa.num_heads, max_len=cfg.max_len, dtype=dtype)
+        feats = build_features(self.model, self.dataset, self.num_outputs, max_len=cfg.max_len, dtype=dtype,
+                               exit_layer=self.exit_layer, first=self.first)
         tmp = path.with_suffix(".tmp")
-        tensors = {k: getattr(feats, k).contiguous() for k in ("hidden", "positions", "labels", "example")}
+        names = ("hidden", "positions", "labels", "example") + (("exit_hidden",) if feats.exit_hidden is not None else ())
+        tensors = {k: getattr(feats, k).contiguous() for k in names}
         save_file(tensors, str(tmp), metadata={"key": key})
         tmp.replace(path)
         return feats
@@ -203,6 +220,20 @@ class HeadsRecipe:
         progress = (step - o.warmup_steps) / max(1, self.total_steps - o.warmup_steps)
         return o.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
+    @property
+    def num_outputs(self) -> int:
+        """Predictions per position: K heads, or 1 for the layer-skip exit."""
+        return self.cfg.medusa.num_heads if self.cfg.kind == "medusa" else 1
+
+    @property
+    def first(self) -> int:
+        """Label offset of the first prediction (see ``training.features.head_labels``)."""
+        return 2 if self.cfg.kind == "medusa" else 1
+
+    @property
+    def exit_layer(self) -> int | None:
+        return self.cfg.layerskip.exit_layer if self.cfg.kind == "layerskip" else None
+
     def _batch(self, step: int) -> torch.Tensor:
         """Position indices of ``step``: a pure function of (seed, epoch, step) for exact resume."""
         n, bs = len(self.train_set.positions), self.cfg.optim.batch_size
@@ -214,12 +245,16 @@ class HeadsRecipe:
     def _forward(self, cache: FeatureCache, idx: torch.Tensor):
         device = self.acc.device
         rows = cache.positions[idx]
-        h = cache.hidden[rows].to(device, torch.float32)
         labels = cache.labels[idx].to(device)
-        logits = self.acc.unwrap_model(self.heads).logits(self.model, h)  # [B, K, V]
+        if self.cfg.kind == "medusa":
+            h = cache.hidden[rows].to(device, torch.float32)
+            logits = self.acc.unwrap_model(self.heads).logits(self.model, h)  # [B, K, V]
+        else:
+            h = self.acc.unwrap_model(self.heads)(cache.exit_hidden[rows].to(device, torch.float32))
+            logits = lm_logits(self.model, self.drafter.norm(h))[:, None]  # [B, 1, V]
         target = None
         if self.cfg.loss == "kl":
-            k = torch.arange(1, labels.shape[1] + 1)
+            k = torch.arange(labels.shape[1]) + self.first - 1  # the target's law for label k sits here
             nxt = (rows[:, None] + k[None]).clamp_max(cache.hidden.shape[0] - 1)
             with torch.no_grad():
                 target = lm_logits(self.model, cache.hidden[nxt].to(device, torch.float32))
@@ -264,7 +299,7 @@ class HeadsRecipe:
     def evaluate(self, batch: int = 512) -> dict:
         """Rank-wise head accuracy on held-out positions and the expected MAT of trees."""
         heads = self.acc.unwrap_model(self.heads).eval()
-        K, R = self.cfg.medusa.num_heads, self.cfg.eval_ranks
+        K, R = self.num_outputs, self.cfg.eval_ranks
         hits, valid = torch.zeros(K, R), torch.zeros(K)
         loss_sum, n = 0.0, 0
         for s in range(0, len(self.eval_set.positions), batch):
@@ -277,10 +312,14 @@ class HeadsRecipe:
             loss_sum, n = loss_sum + float(loss) * len(idx), n + len(idx)
         heads.train()
         acc = (hits / valid.clamp_min(1)[:, None]).tolist()
-        tree = best_tree(acc, self.cfg.tree_budget)
-        out = {"eval/loss": loss_sum / max(1, n), "eval/rank_accuracy": acc,
-               "eval/expected_mat_current_tree": expected_accepted_length(self.drafter.template.paths, acc),
-               "eval/expected_mat_best_tree": expected_accepted_length(tree.paths, acc)}
+        out = {"eval/loss": loss_sum / max(1, n), "eval/rank_accuracy": acc}
+        if self.cfg.kind == "medusa":
+            tree = best_tree(acc, self.cfg.tree_budget)
+            out["eval/expected_mat_current_tree"] = expected_accepted_length(self.drafter.template.paths, acc)
+            out["eval/expected_mat_best_tree"] = expected_accepted_length(tree.paths, acc)
+        else:  # a greedy chain of max_depth with independent acceptance acc[0][0] per token
+            a = acc[0][0]
+            out["eval/expected_mat_chain"] = sum(a ** d for d in range(self.cfg.layerskip.max_depth + 1))
         out |= {f"eval/top1_head{k + 1}": acc[k][0] for k in range(K)}
         out |= {f"eval/top{R}_head{k + 1}": sum(acc[k]) for k in range(K)}
         return out
@@ -295,7 +334,8 @@ class HeadsRecipe:
     def _resume(self) -> None:
         folder = self.out / "checkpoint"
         loaded = selfspec.load_drafter(folder / "drafter", self.model)
-        self.acc.unwrap_model(self.heads).load_state_dict(loaded.heads.float().state_dict())
+        module = loaded.heads if self.cfg.kind == "medusa" else loaded.adapter
+        self.acc.unwrap_model(self.heads).load_state_dict(module.float().state_dict())
         info = read_train_state(folder, self.optimizer)
         self.step, self.history = int(info["step"]), list(info.get("history", []))
         print(f"resumed from {folder} at step {self.step}")
@@ -304,11 +344,13 @@ class HeadsRecipe:
     def export(self) -> dict:
         """Choose the tree from measured accuracies, save the drafter and the curves plot."""
         metrics = self.evaluate()
-        tree = best_tree(metrics["eval/rank_accuracy"], self.cfg.tree_budget)
-        self.drafter.set_tree(tree.to_list())
-        metrics["eval/expected_mat_current_tree"] = expected_accepted_length(tree.paths, metrics["eval/rank_accuracy"])
+        tree = None
+        if self.cfg.kind == "medusa":
+            tree = best_tree(metrics["eval/rank_accuracy"], self.cfg.tree_budget).to_list()
+            self.drafter.set_tree(tree)
+            metrics["eval/expected_mat_current_tree"] = expected_accepted_length(tree, metrics["eval/rank_accuracy"])
         summary = {"steps": self.step, "train_positions": len(self.train_set.positions),
-                   "eval_positions": len(self.eval_set.positions), "metrics": metrics, "tree": tree.to_list()}
+                   "eval_positions": len(self.eval_set.positions), "metrics": metrics, "tree": tree}
         atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1))
         self._plot()
         if self.cfg.export:
@@ -322,7 +364,7 @@ class HeadsRecipe:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        K = self.cfg.medusa.num_heads
+        K = self.num_outputs
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
         train = [r for r in self.history if "train/loss" in r]
         for k in range(K):
