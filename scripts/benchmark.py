@@ -1,9 +1,16 @@
-"""Benchmark selfspec drafters against plain decoding on Spec-Bench-format or BFCL prompt files.
+"""Benchmark selfspec drafters and transformers peers against plain decoding, side by side.
 
-    python scripts/benchmark.py --questions ../shared/data/mt_bench_question.jsonl --limit 10 \
-        --methods ngram --out runs/bench
+    python scripts/benchmark.py --questions ../shared/data/mt_bench_question.jsonl --per-category 1 \
+        --methods medusa layerskip ngram hf-greedy hf-prompt-lookup hf-early-exit:10 --out runs/bench
 
-Writes <out>.json (per-run records and the summary) and prints a Markdown table.
+Question files: Spec-Bench format (``question_id``, ``category``, ``turns``; multi-turn replayed
+turn by turn) or BFCL format (``question`` messages + ``function`` tools in the system message).
+Methods: selfspec drafter specs (``ngram``, ``medusa`` / ``layerskip`` = the shipped checkpoints, a
+checkpoint folder, ``kind:key=value``, ``a+b`` unions) and peers on the same model through
+``transformers.generate``: ``hf-greedy``, ``hf-prompt-lookup[:N]``, ``hf-early-exit:E``.
+Writes <out>.json (args, command, summary, records), <out>.md (command + table) and
+<out>_speedup.png / <out>_acceptance.png. Finished turns are appended to <out>.partial.jsonl as
+they complete: rerun the same command with --resume after an interruption.
 """
 
 from __future__ import annotations
@@ -18,7 +25,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import selfspec  # noqa: E402
 from selfspec import benchmark  # noqa: E402
-from selfspec.drafters import drafter_from_spec  # noqa: E402
 from selfspec.workloads import load_questions, take_per_category  # noqa: E402
 
 
@@ -26,22 +32,26 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--questions", action="append", required=True, help="question file (repeatable)")
     ap.add_argument("--model", default=selfspec.DEFAULT_TARGET)
-    ap.add_argument("--methods", nargs="+", default=["ngram"], help="drafter specs: ngram, ngram:max_nodes=8, medusa (shipped checkpoint), a checkpoint folder")
+    ap.add_argument("--methods", nargs="+", default=["ngram"], help="method specs (see above)")
     ap.add_argument("--limit", type=int, default=None, help="questions per file")
     ap.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
     ap.add_argument("--first-turn-only", action="store_true")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--out", default=None, help="output path prefix (writes .json and .md)")
+    ap.add_argument("--no-adaptive", action="store_true", help="selfspec methods draft every step")
+    ap.add_argument("--out", default=None, help="output path prefix (writes .json, .md, .png)")
+    ap.add_argument("--resume", action="store_true", help="skip turns already in <out>.partial.jsonl")
+    ap.add_argument("--title", default="", help="plot title")
     ap.add_argument("--resummarise", action="store_true",
-                    help="recompute <out>.json's summary and <out>.md from its stored records, run nothing")
+                    help="recompute <out>.json's summary, <out>.md and plots from its stored records, run nothing")
     args = ap.parse_args(argv)
     if args.resummarise:
         with open(args.out + ".json") as f:
             stored = json.load(f)
-        records = benchmark.from_rows(stored["records"])
-        write(args.out, stored["args"], records, stored.get("command", ""))
+        write(args.out, stored["args"], benchmark.from_rows(stored["records"]), stored.get("command", ""), args.title)
         return
+    if args.resume and not args.out:
+        ap.error("--resume needs --out")
 
     model, tokenizer = selfspec.load_target(args.model)
     questions = []
@@ -53,26 +63,47 @@ def main(argv=None) -> None:
         if args.first_turn_only:
             qs = [q.__class__(q.question_id, q.category, q.turns[:1], q.system) for q in qs]
         questions += qs
-    methods = {spec: drafter_from_spec(model, spec, args.model) for spec in args.methods}
+    methods = {spec: benchmark.method_from_spec(model, spec, args.model, not args.no_adaptive) for spec in args.methods}
+    partial = args.out + ".partial.jsonl" if args.out else None
+    done = []
+    if partial and args.resume and os.path.exists(partial):
+        with open(partial) as f:
+            done = benchmark.from_rows([json.loads(line) for line in f if line.strip()])
+        print(f"resuming: {len(done)} records from {partial}")
+    elif partial and os.path.exists(partial):
+        os.remove(partial)
+
+    def persist(turn_records) -> None:
+        if partial:
+            os.makedirs(os.path.dirname(partial) or ".", exist_ok=True)
+            with open(partial, "a") as f:
+                for row in benchmark.as_rows(turn_records):
+                    f.write(json.dumps(row) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
     records = benchmark.run(model, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature)
+                            temperature=args.temperature, done=done, on_turn=persist)
     command = "python scripts/benchmark.py " + " ".join(argv or sys.argv[1:])
     if args.out:
-        write(args.out, vars(args), records, command)
+        write(args.out, vars(args), records, command, args.title)
     else:
         print(benchmark.markdown_table(benchmark.summarise(records)))
 
 
-def write(out: str, args: dict, records, command: str) -> None:
-    """Write <out>.json (args, command, summary, records) and <out>.md (command + table)."""
+def write(out: str, args: dict, records, command: str, title: str = "") -> None:
+    """Write <out>.json (args, command, summary, records), <out>.md (command + table) and plots."""
     summary = benchmark.summarise(records)
     table = benchmark.markdown_table(summary)
     print(table)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
+    tmp = out + ".json.tmp"
+    with open(tmp, "w") as f:
         json.dump({"args": args, "command": command, "summary": summary, "records": benchmark.as_rows(records)}, f, indent=1)
+    os.replace(tmp, out + ".json")
     with open(out + ".md", "w") as f:
         f.write(f"`{command}`\n\n{table}\n")
+    benchmark.plot(summary, out, title)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,39 @@
 """Benchmarking methods side by side on a prompt set (greedy or sampled, batch 1).
 
-For every turn of every question, the plain baseline runs first and its reply becomes the
-conversation history of the next turn for every method, so all methods see identical prompts.
-Runs of the baseline and of each method alternate per prompt (machine noise hits all alike).
-Speedup of a method over a group of prompts = its decode tokens/s / the baseline's decode tokens/s
-on those prompts (greedy: the same tokens, so a ratio of times; sampling: outputs differ in length,
-so rates are compared); MAT = total new tokens / total target passes.
+Methods: ``baseline`` (plain decoding through selfspec's own loop), any selfspec drafter, and
+peers run on the same model object and prompts through ``transformers.generate`` (plain greedy or
+sampling, prompt lookup, ``assistant_early_exit``), see :class:`HFMethod`.
+
+For every turn of every question the baseline runs first and its reply becomes the conversation
+history of the next turn for every method, so all methods see identical prompts; the methods then
+run in turn on that prompt (machine noise hits all alike).
+
+Metric conventions (per group of prompts, summed over the group's runs):
+
+* TTFT: seconds from the call to the first new token (prefill + first step);
+* TPOT: seconds per output token after the first; tokens/s = 1 / TPOT;
+* speedup = the method's tokens/s / the baseline's tokens/s on the same prompts (greedy: the same
+  tokens, so a ratio of times; sampling: rates, since lengths differ);
+* MAT = new tokens / target passes (peers: passes of the full model, counted by a forward hook);
+* acceptance per depth: see :mod:`selfspec.metrics` (selfspec methods only);
+* peak memory: the largest growth of the process's resident memory (CPU) or of allocated CUDA
+  memory (GPU) during the run, over its value at the start, in MiB;
+* identical: the output equals the baseline's token for token.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Iterable
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Callable, Iterable
 
 import torch
 from tqdm.auto import tqdm
 
 from .chat import encode_chat
 from .drafters.base import Drafter
-from .engine import SpecOutput, generate
+from .engine import generate
 from .workloads import Question
 
 
@@ -38,50 +53,222 @@ class Record:
     identical_to_baseline: bool
     tested_per_depth: list[int]
     accepted_per_depth: list[int]
+    ttft_s: float = 0.0
+    wall_time_s: float = 0.0
+    peak_mem_mib: float = 0.0
+    reply: str | None = None  # the baseline's reply text (conversation history on resume)
+
+    @property
+    def after_first_s(self) -> float:
+        """Seconds spent on tokens after the first."""
+        return self.wall_time_s - self.ttft_s if self.wall_time_s else self.decode_time_s
+
+
+@dataclass
+class RunResult:
+    sequences: torch.Tensor
+    new_tokens: int
+    steps: int
+    wall_time_s: float
+    ttft_s: float
+    prefill_time_s: float = 0.0
+    tested_per_depth: list[int] = field(default_factory=list)
+    accepted_per_depth: list[int] = field(default_factory=list)
+
+
+class SelfspecMethod:
+    """``selfspec.generate`` with a drafter (``None``: the baseline)."""
+
+    def __init__(self, drafter: Drafter | None, adaptive: bool = True):
+        self.drafter, self.adaptive = drafter, adaptive
+
+    def __call__(self, model, ids, *, max_new_tokens: int, temperature: float, seed: int) -> RunResult:
+        out = generate(model, ids, drafter=self.drafter, max_new_tokens=max_new_tokens, temperature=temperature,
+                       seed=seed, adaptive=self.adaptive)
+        s = out.stats
+        return RunResult(out.sequences, s.new_tokens, s.steps, s.wall_time_s, s.first_token_s, s.prefill_time_s,
+                         list(s.tested_per_depth), list(s.accepted_per_depth))
+
+
+class _FirstToken:
+    """A ``generate`` streamer noting when the first new token arrives (the first ``put`` is the prompt)."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class HFMethod:
+    """A transformers ``generate`` peer on the same model: ``options`` are generate kwargs
+    (``{}``: plain; ``{"prompt_lookup_num_tokens": 10}``; ``{"assistant_early_exit": 8}``)."""
+
+    def __init__(self, options: dict):
+        self.options = options
+
+    def __call__(self, model, ids, *, max_new_tokens: int, temperature: float, seed: int) -> RunResult:
+        from transformers.generation.streamers import BaseStreamer
+
+        streamer = type("FirstToken", (_FirstToken, BaseStreamer), {})()
+        layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        passes = [0]
+
+        def count(module, args, kwargs):  # full-depth passes only (the early exit reuses the model)
+            passes[0] += module.config.get_text_config(decoder=True).num_hidden_layers == layers
+
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(
+            do_sample=False, temperature=None, top_k=None, top_p=None)
+        eos = model.generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, list) else eos
+        handle = model.register_forward_pre_hook(count, with_kwargs=True)
+        torch.manual_seed(seed)
+        try:
+            start = time.perf_counter()
+            seq = model.generate(ids.to(next(model.parameters()).device), max_new_tokens=max_new_tokens,
+                                 streamer=streamer, pad_token_id=pad, **sampling, **self.options)
+            wall = time.perf_counter() - start
+        finally:
+            handle.remove()
+        new = int(seq.shape[1] - ids.shape[1])
+        ttft = (streamer.first - start) if streamer.first is not None else wall
+        return RunResult(seq.cpu(), new, passes[0], wall, ttft)
+
+
+class PeakMemory:
+    """Context manager: peak growth of resident (CPU) or allocated (CUDA) memory, in MiB."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.peak_mib = 0.0
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+            return self
+        self.start, self.peak, self.stop = self._rss(), 0, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self.stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.peak_mib = (torch.cuda.max_memory_allocated() - self.start) / 2**20
+            return
+        self.stop.set()
+        self.thread.join()
+        self.peak_mib = max(0, max(self.peak, self._rss()) - self.start) / 2**20
+
+
+Method = Callable[..., RunResult]
+
+
+def method_from_spec(model, spec: str, target: str | None = None, adaptive: bool = True) -> Method:
+    """``hf-greedy`` (plain ``generate``; sampling at T > 0), ``hf-prompt-lookup[:N]``,
+    ``hf-early-exit:E``, or any selfspec drafter spec (:func:`selfspec.drafters.drafter_from_spec`)."""
+    from .drafters import drafter_from_spec
+
+    name, _, arg = spec.partition(":")
+    if name == "hf-greedy":
+        return HFMethod({})
+    if name == "hf-prompt-lookup":
+        return HFMethod({"prompt_lookup_num_tokens": int(arg or 10)})
+    if name == "hf-early-exit":
+        if not arg:
+            raise ValueError("hf-early-exit needs an exit layer: hf-early-exit:8")
+        return HFMethod({"assistant_early_exit": int(arg)})
+    return SelfspecMethod(drafter_from_spec(model, spec, target), adaptive)
 
 
 def run(
     model,
     tokenizer,
     questions: Iterable[Question],
-    methods: dict[str, Drafter | None],
+    methods: dict[str, Method | Drafter | None],
     *,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     seed: int = 0,
     progress: bool = True,
+    done: list[Record] | None = None,
+    on_turn: Callable[[list[Record]], None] | None = None,
 ) -> list[Record]:
-    """Run ``baseline`` (plain decoding) and each drafter in ``methods`` ({name: drafter}).
+    """Run ``baseline`` and each method ({name: method, drafter or ``None``}) on every turn.
 
-    Returns one :class:`Record` per (turn, method), the baseline's under the name ``"baseline"``.
+    ``done``: records of an interrupted run; turns whose every method is recorded there are not
+    run again (their stored baseline reply continues the conversation). ``on_turn`` receives each
+    newly finished turn's records (to persist them). Returns all records, ``done`` ones included.
     """
+    runners = {name: m if callable(m) and not isinstance(m, Drafter) else SelfspecMethod(m)
+               for name, m in methods.items()}
+    baseline = SelfspecMethod(None)
     questions = list(questions)
-    records: list[Record] = []
-    total = sum(len(q.turns) for q in questions)
-    bar = tqdm(total=total, desc="benchmark", disable=not progress, unit="turn")
+    finished = _finished_turns(done or [], ["baseline", *runners])
+    records: list[Record] = list(done or [])
+    bar = tqdm(total=sum(len(q.turns) for q in questions), desc="benchmark", disable=not progress, unit="turn")
     gen = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    generate(model, torch.tensor([[0, 1]]), max_new_tokens=2)  # warm-up
+    device = next(model.parameters()).device
+    warm = torch.tensor([[0, 1]])
+    for runner in [baseline, *runners.values()]:  # warm-up: first-call costs hit no measured run
+        runner(model, warm, max_new_tokens=2, temperature=temperature, seed=seed)
     for q in questions:
         history: list[dict] = []
         for turn, user in enumerate(q.turns):
             history.append({"role": "user", "content": user})
-            ids = encode_chat(tokenizer, history, system=q.system)
-            base = generate(model, ids, **gen)
-            records.append(_record(q, turn, "baseline", ids, base, True))
-            for name, drafter in methods.items():
-                out = generate(model, ids, drafter=drafter, **gen)
-                records.append(_record(q, turn, name, ids, out, torch.equal(out.sequences, base.sequences)))
-            reply = tokenizer.decode(base.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+            key = (q.question_id, turn)
+            if key in finished:
+                reply = finished[key]
+            else:
+                ids = encode_chat(tokenizer, history, system=q.system)
+                with PeakMemory(device) as mem:
+                    base = baseline(model, ids, **gen)
+                reply = tokenizer.decode(base.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+                turn_records = [_record(q, turn, "baseline", ids, base, True, mem.peak_mib, reply)]
+                for name, runner in runners.items():
+                    with PeakMemory(device) as mem:
+                        out = runner(model, ids, **gen)
+                    same = torch.equal(out.sequences.cpu(), base.sequences.cpu())
+                    turn_records.append(_record(q, turn, name, ids, out, same, mem.peak_mib))
+                records += turn_records
+                if on_turn is not None:
+                    on_turn(turn_records)
             history.append({"role": "assistant", "content": reply})
             bar.update(1)
     bar.close()
     return records
 
 
-def _record(q: Question, turn: int, method: str, ids, out: SpecOutput, identical: bool) -> Record:
-    s = out.stats
-    return Record(q.question_id, q.category, turn, method, int(ids.shape[1]), s.new_tokens, s.steps,
-                  s.decode_time_s, s.prefill_time_s, identical, list(s.tested_per_depth), list(s.accepted_per_depth))
+def _finished_turns(done: list[Record], methods: list[str]) -> dict[tuple[str, int], str]:
+    """``{(question_id, turn): baseline reply}`` of turns recorded for every method."""
+    seen: dict[tuple[str, int], set[str]] = {}
+    replies = {}
+    for r in done:
+        seen.setdefault((r.question_id, r.turn), set()).add(r.method)
+        if r.method == "baseline" and r.reply is not None:
+            replies[(r.question_id, r.turn)] = r.reply
+    return {k: replies[k] for k, ms in seen.items() if set(methods) <= ms and k in replies}
+
+
+def _record(q: Question, turn: int, method: str, ids, out: RunResult, identical: bool, peak_mib: float,
+            reply: str | None = None) -> Record:
+    return Record(q.question_id, q.category, turn, method, int(ids.shape[1]), out.new_tokens, out.steps,
+                  out.wall_time_s - out.prefill_time_s, out.prefill_time_s, identical, out.tested_per_depth,
+                  out.accepted_per_depth, out.ttft_s, out.wall_time_s, peak_mib, reply)
 
 
 def summarise(records: list[Record]) -> dict[str, dict[str, dict]]:
@@ -92,26 +279,34 @@ def summarise(records: list[Record]) -> dict[str, dict[str, dict]]:
     groups["overall"] = list(records)
     out: dict[str, dict[str, dict]] = {}
     for cat, recs in groups.items():
-        base = [r for r in recs if r.method == "baseline"]
-        base_rate = sum(r.new_tokens for r in base) / max(1e-9, sum(r.decode_time_s for r in base))
+        base_rate = _rate([r for r in recs if r.method == "baseline"])
         out[cat] = {}
         for method in dict.fromkeys(r.method for r in recs):
             mine = [r for r in recs if r.method == method]
-            time_s = sum(r.decode_time_s for r in mine)
-            tokens = sum(r.new_tokens for r in mine)
+            rate = _rate(mine)
             depth = max(len(r.tested_per_depth) for r in mine)
             tested = [sum(r.tested_per_depth[d] for r in mine if d < len(r.tested_per_depth)) for d in range(depth)]
             acc = [sum(r.accepted_per_depth[d] for r in mine if d < len(r.accepted_per_depth)) for d in range(depth)]
             out[cat][method] = dict(
                 prompts=len(mine),
-                new_tokens=tokens,
-                tokens_per_s=tokens / time_s if time_s else 0.0,
-                speedup=(tokens / time_s) / base_rate if time_s and base_rate else 0.0,
-                mean_accepted_length=tokens / max(1, sum(r.steps for r in mine)),
+                new_tokens=sum(r.new_tokens for r in mine),
+                tokens_per_s=rate,
+                speedup=rate / base_rate if rate and base_rate else 0.0,
+                mean_accepted_length=sum(r.new_tokens for r in mine) / max(1, sum(r.steps for r in mine)),
                 acceptance_per_depth=[a / t if t else 0.0 for a, t in zip(acc, tested)],
+                ttft_s=sum(r.ttft_s for r in mine) / len(mine),
+                tpot_s=1.0 / rate if rate else 0.0,
+                peak_mem_mib=max(r.peak_mem_mib for r in mine),
                 identical_share=sum(r.identical_to_baseline for r in mine) / len(mine),
             )
     return out
+
+
+def _rate(records: list[Record]) -> float:
+    """Output tokens per second after the first token (records without a TTFT: after prefill)."""
+    tokens = sum(r.new_tokens - (1 if r.wall_time_s else 0) for r in records)
+    seconds = sum(r.after_first_s for r in records)
+    return tokens / seconds if seconds > 0 else 0.0
 
 
 def as_rows(records: list[Record]) -> list[dict]:
@@ -119,15 +314,57 @@ def as_rows(records: list[Record]) -> list[dict]:
 
 
 def from_rows(rows: list[dict]) -> list[Record]:
-    return [Record(**r) for r in rows]
+    names = {f.name for f in fields(Record)}
+    return [Record(**{k: v for k, v in r.items() if k in names}) for r in rows]
 
 
 def markdown_table(summary: dict[str, dict[str, dict]]) -> str:
-    lines = ["| category | method | prompts | tokens/s | speedup | MAT | identical |", "|---|---|---|---|---|---|---|"]
+    lines = ["| category | method | prompts | tokens/s | speedup | MAT | accept d1/d2/d3 | TTFT ms | TPOT ms "
+             "| peak MiB | identical |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for cat, methods in summary.items():
         for m, v in methods.items():
+            acc = "/".join(f"{a:.2f}" for a in v["acceptance_per_depth"][:3]) or "-"
             lines.append(
                 f"| {cat} | {m} | {v['prompts']} | {v['tokens_per_s']:.1f} | {v['speedup']:.2f}x | "
-                f"{v['mean_accepted_length']:.2f} | {v['identical_share']:.0%} |"
+                f"{v['mean_accepted_length']:.2f} | {acc} | {v.get('ttft_s', 0) * 1e3:.0f} | "
+                f"{v.get('tpot_s', 0) * 1e3:.1f} | {v.get('peak_mem_mib', 0):.0f} | {v['identical_share']:.0%} |"
             )
     return "\n".join(lines)
+
+
+def plot(summary: dict[str, dict[str, dict]], prefix: str, title: str = "") -> list[str]:
+    """``<prefix>_speedup.png`` (per category and method) and ``<prefix>_acceptance.png``
+    (overall acceptance per depth per method); returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = list(summary)
+    methods = [m for m in summary["overall"] if m != "baseline"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats) * max(1, len(methods)) / 2), 4))
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        xs = [c + (i - (len(methods) - 1) / 2) * width for c in range(len(cats))]
+        ax.bar(xs, [summary[c].get(m, {}).get("speedup", 0) for c in cats], width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
+    ax.set(ylabel="speedup vs plain decoding", title=title or "speedup per category")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths = [f"{prefix}_speedup.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        acc = summary["overall"][m]["acceptance_per_depth"]
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=m)
+    ax.set(xlabel="draft depth", ylabel="acceptance (given the walk got there)", ylim=(0, 1),
+           title=(title + ": " if title else "") + "acceptance per depth")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(f"{prefix}_acceptance.png")
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths

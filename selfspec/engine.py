@@ -20,6 +20,7 @@ from typing import Iterable
 
 import torch
 
+from .adaptive import AdaptiveConfig, AdaptivePolicy
 from .drafters.base import DraftContext, Drafter
 from .metrics import SpecStats
 from .sampling import SamplingConfig
@@ -55,6 +56,7 @@ def generate(
     seed: int | None = None,
     generator: torch.Generator | None = None,
     eos_token_id: int | Iterable[int] | None = None,
+    adaptive: bool | AdaptiveConfig = True,
 ) -> SpecOutput:
     """Generate from a transformers causal LM, speculatively when a drafter is given.
 
@@ -68,6 +70,11 @@ def generate(
             the target's law exactly as plain sampling does.
         seed / generator: randomness for sampling (give at most one); a fresh random seed if none.
         eos_token_id: stop token(s); defaults to ``model.generation_config.eos_token_id``.
+        adaptive: let :class:`selfspec.adaptive.AdaptivePolicy` skip drafting (and cap its depth)
+            while speculation would be slower than plain steps (``True``: default knobs; an
+            :class:`AdaptiveConfig` to tune; ``False``: draft every step). Never changes the law
+            (greedy: never the text), but which steps draft depends on measured time, so seeded
+            sampling repeats token for token only with ``adaptive=False``.
 
     Raises:
         ValueError: bad sampling parameters, empty / batched / out-of-vocabulary / over-long
@@ -86,7 +93,10 @@ def generate(
     eos = _eos_ids(model, eos_token_id)
     target = TreeTarget(model, want_hidden=drafter is not None and drafter.needs_hidden)
     limit = context_length(model) or ids.shape[0] + max_new_tokens
-    out = decode(target, ids, drafter, cfg, gen, max_new_tokens, eos, limit)
+    policy = None
+    if drafter is not None and adaptive is not False:
+        policy = AdaptivePolicy(adaptive if isinstance(adaptive, AdaptiveConfig) else None)
+    out = decode(target, ids, drafter, cfg, gen, max_new_tokens, eos, limit, policy)
     out.sequences = out.sequences.to(input_ids.device if torch.is_tensor(input_ids) else "cpu")
     return out
 
@@ -100,11 +110,13 @@ def decode(
     max_new_tokens: int,
     eos: set[int],
     context_limit: int,
+    policy: AdaptivePolicy | None = None,
 ) -> SpecOutput:
     """The speculative loop over an already validated prompt.
 
     ``target`` is anything with ``prefill``, ``forward_tree``, ``commit`` and ``prefix_len`` like
     :class:`TreeTarget` (tests plug in cheap table-driven targets). ``ids``: ``[L]`` on the CPU.
+    ``policy`` (optional) decides per step whether to draft and how deep.
     """
     stats = SpecStats()
     start = time.perf_counter()
@@ -124,10 +136,10 @@ def decode(
             finish = "context"
             break
         t0 = time.perf_counter()
-        ctx = DraftContext(tokens[:length], root_hidden, budget - 1, cfg, gen, target.cache if share else None)
-        tree = DraftTree.root_only(int(tokens[length - 1])) if drafter is None or budget == 1 else _checked(
-            drafter.propose(ctx), ctx
-        )
+        speculate = drafter is not None and budget > 1 and (policy is None or policy.speculate())
+        depth = policy.max_depth(budget - 1) if policy is not None else budget - 1
+        ctx = DraftContext(tokens[:length], root_hidden, depth, cfg, gen, target.cache if share else None)
+        tree = _checked(drafter.propose(ctx), ctx) if speculate else DraftTree.root_only(int(tokens[length - 1]))
         t1 = time.perf_counter()
         prefix = target.prefix_len
         scored = target.forward_tree(tree, ctx.handoff) if ctx.handoff is not None else target.forward_tree(tree)
@@ -144,10 +156,16 @@ def decode(
         stats.record_step(verdict.num_accepted, tested_next, len(new), tree.num_nodes - 1)
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t2 - t1
-        if drafter is not None:
+        if stats.steps == 1:
+            stats.first_token_s = t2 - start
+        if policy is not None:
+            policy.record(speculate, t2 - t0, len(new), verdict.num_accepted, tested_next)
+            stats.plain_steps += not speculate
+            stats.fallbacks = policy.fallbacks
+        if speculate:
             drafter.observe(ctx, tree, verdict)
-            if scored.hidden is not None:
-                root_hidden = scored.hidden[verdict.path[-1]]
+        if scored.hidden is not None:
+            root_hidden = scored.hidden[verdict.path[-1]]
         if cut is not None:
             finish = "eos"
             break

@@ -16,7 +16,11 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class SpecStats:
-    """Statistics of one ``selfspec.generate`` call."""
+    """Statistics of one ``selfspec.generate`` call.
+
+    ``first_token_s`` is the time to first token (prefill + first step); ``plain_steps`` counts
+    steps the adaptive policy ran without a draft, ``fallbacks`` how often it backed off.
+    """
 
     steps: int = 0
     new_tokens: int = 0
@@ -27,6 +31,9 @@ class SpecStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     wall_time_s: float = 0.0
+    first_token_s: float = 0.0
+    plain_steps: int = 0
+    fallbacks: int = 0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -39,6 +46,11 @@ class SpecStats:
     @property
     def decode_time_s(self) -> float:
         return self.wall_time_s - self.prefill_time_s
+
+    @property
+    def time_per_output_token_s(self) -> float:
+        """Mean seconds per token after the first (TPOT)."""
+        return (self.wall_time_s - self.first_token_s) / (self.new_tokens - 1) if self.new_tokens > 1 else 0.0
 
     @property
     def tokens_per_s(self) -> float:

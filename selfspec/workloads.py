@@ -76,3 +76,16 @@ def take_per_category(questions: list[Question], n: int) -> list[Question]:
             counts[q.category] = counts.get(q.category, 0) + 1
             out.append(q)
     return out
+
+
+def calibration_prompts(data_dir: str | Path, n: int) -> list[str]:
+    """``n`` prompts for calibration, never from a benchmark set: GSM8K train questions and
+    HumanEval function stubs alternately (``data_dir``: the shared data folder)."""
+    import gzip
+
+    data_dir = Path(data_dir)
+    gsm = [rec["question"] for rec in _jsonl(data_dir / "gsm8k" / "train.jsonl")[: (n + 1) // 2]]
+    with gzip.open(data_dir / "HumanEval.jsonl.gz", "rt", encoding="utf-8") as f:
+        code = ["Complete this Python function:\n" + json.loads(line)["prompt"] for line in f][: n // 2]
+    out = [p for pair in zip(gsm, code) for p in pair] + gsm[len(code):]
+    return out[:n]

@@ -25,3 +25,68 @@ def test_speedup_is_a_rate_ratio_per_category_and_overall():
     assert s["a"]["baseline"]["speedup"] == pytest.approx(1.0)
     assert list(s)[-1] == "overall"
     assert "| b | x | 1 |" in markdown_table(s)
+
+
+# ---------------------------------------------------------------- end-to-end smoke on a tiny model
+import json  # noqa: E402
+
+import torch  # noqa: E402
+
+from selfspec import benchmark  # noqa: E402
+from selfspec.workloads import load_questions  # noqa: E402
+from tiny_models import tiny_model, tiny_tokenizer  # noqa: E402
+
+SUMMARY_KEYS = {"prompts", "new_tokens", "tokens_per_s", "speedup", "mean_accepted_length", "acceptance_per_depth",
+                "ttft_s", "tpot_s", "peak_mem_mib", "identical_share"}
+
+
+def _questions(tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": 1, "category": "math", "turns": ["What is 3 + 4?", "And 3 + 5?"]},
+            {"question_id": 2, "category": "code", "turns": ["def f(x): return x + 1"]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return load_questions(path)
+
+
+def test_benchmark_smoke_with_peers_schema_and_resume(tmp_path):
+    import importlib.util
+    import pathlib
+
+    tok = tiny_tokenizer(128)
+    model = tiny_model("llama", vocab=len(tok))
+    questions = _questions(tmp_path)
+    methods = {spec: benchmark.method_from_spec(model, spec) for spec in
+               ("ngram:min_ngram=1", "hf-greedy", "hf-prompt-lookup:3", "hf-early-exit:1")}
+    persisted = []
+    records = benchmark.run(model, tok, questions, methods, max_new_tokens=8, progress=False,
+                            on_turn=persisted.extend)
+    assert len(records) == 3 * 5 and persisted == records  # 3 turns x (baseline + 4 methods)
+    for r in records:  # every method saw exactly the baseline's prompt of that turn
+        base = next(b for b in records if b.method == "baseline" and (b.question_id, b.turn) == (r.question_id, r.turn))
+        assert r.prompt_tokens == base.prompt_tokens and r.new_tokens == 8
+        assert r.ttft_s > 0 and r.wall_time_s >= r.ttft_s and r.steps >= 1
+    summary = benchmark.summarise(records)
+    assert set(summary) == {"math", "code", "overall"}
+    for cat in summary.values():
+        assert set(cat) == {"baseline", *methods} and all(SUMMARY_KEYS <= set(v) for v in cat.values())
+    assert summary["overall"]["baseline"]["speedup"] == pytest.approx(1.0)
+    assert summary["overall"]["hf-greedy"]["identical_share"] == 1.0  # greedy peers agree with us
+    assert summary["overall"]["ngram:min_ngram=1"]["identical_share"] == 1.0
+    spec = importlib.util.spec_from_file_location("bench_script", pathlib.Path(__file__).parents[1] / "scripts" / "benchmark.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.write(str(tmp_path / "out"), {"x": 1}, records, "cmd")
+    stored = json.loads((tmp_path / "out.json").read_text())
+    assert set(stored) == {"args", "command", "summary", "records"} and len(stored["records"]) == 15
+    assert (tmp_path / "out_speedup.png").stat().st_size > 1000 and (tmp_path / "out_acceptance.png").exists()
+    # resume: the first question's two turns are done; only the last turn runs again
+    calls = []
+
+    def counting(model, ids, **kw):
+        calls.append(ids.shape[1])
+        return benchmark.SelfspecMethod(None)(model, ids, **kw)
+
+    done = [r for r in records if r.question_id == "1"]
+    again = benchmark.run(model, tok, questions, {name: counting if name == "hf-greedy" else m for name, m in methods.items()},
+                          max_new_tokens=8, progress=False, done=done)
+    assert len(again) == 15 and len(calls) == 2  # the warm-up call and the one remaining turn

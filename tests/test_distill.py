@@ -7,26 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import load_from_disk
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from training.distill import DistillConfig, collect_prompts, distill
-from tiny_models import tiny_model
+from tiny_models import tiny_model, tiny_tokenizer
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 pytestmark = pytest.mark.skipif(not DATA.exists(), reason="shared/data not beside the checkout")
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}<assistant>"
-
-
-def tiny_tokenizer(vocab: int = 128) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def f(x): return x + 1", "What is 3 + 4?", "{\"name\": \"f\"}"], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="</s>")
-    fast.chat_template = TEMPLATE
-    return fast
 
 
 def config(**kw) -> DistillConfig:

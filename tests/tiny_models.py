@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -16,6 +18,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}<assistant>"
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
 
 
@@ -48,3 +51,15 @@ def tiny_model(family: str = "llama", *, vocab: int = 64, seed: int = 0, dtype=t
         raise ValueError(family)
     model.config._attn_implementation = "sdpa"
     return model.to(dtype).eval()
+
+
+def tiny_tokenizer(vocab: int = 128) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained in code, with a minimal chat template."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def f(x): return x + 1", "What is 3 + 4?", "{\"name\": \"f\"}"], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="</s>")
+    fast.chat_template = TEMPLATE
+    return fast

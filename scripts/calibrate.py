@@ -1,0 +1,101 @@
+"""Calibrate a drafter checkpoint's tree to this machine and store it with the drafter.
+
+    python scripts/calibrate.py checkpoints/smollm2-135m-instruct-medusa [--prompts 8] [--dry-run]
+
+Measures the target's verify cost for n tree nodes here, and the drafter's acceptance on
+calibration prompts (GSM8K train + HumanEval from ../shared/data, never the benchmark sets):
+
+* Medusa heads: acceptance per depth and rank on the target's own greedy text; the tree that
+  maximises expected tokens/s = MAT / (verify(n) + draft) is chosen (``selfspec.calibration``);
+* layer-skip: the node budget (``max_nodes``) with the best measured speedup over plain decoding.
+
+The choice and the measurements are written into the checkpoint (``drafter.json``), so
+``selfspec.load_drafter`` and ``selfspec.generate`` use the calibrated tree by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import selfspec  # noqa: E402
+from selfspec.calibration import choose_tree, heads_accuracy, heads_draft_cost, measured_search, verify_costs  # noqa: E402
+from selfspec.chat import encode_chat  # noqa: E402
+from selfspec.checkpoint import CONFIG_FILE, atomic_write_text, read_checkpoint  # noqa: E402
+from selfspec.drafters import load_drafter  # noqa: E402
+from selfspec.workloads import calibration_prompts  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint")
+    ap.add_argument("--target", default=selfspec.DEFAULT_TARGET)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--max-nodes", type=int, default=16, help="largest tree measured (root excluded)")
+    ap.add_argument("--dry-run", action="store_true", help="print the choice, leave the checkpoint as it is")
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    model, tok = selfspec.load_target(args.target)
+    drafter = load_drafter(args.checkpoint, model)
+    meta, _ = read_checkpoint(args.checkpoint)
+    prompts = [encode_chat(tok, [{"role": "user", "content": p}]) for p in calibration_prompts(SHARED, args.prompts)]
+    verify = verify_costs(model, list(range(1, args.max_nodes + 2)))
+    print("verify ms per n nodes:", {n: round(v * 1e3, 1) for n, v in verify.items()})
+    record = {"machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
+              "torch_threads": torch.get_num_threads(), "verify_cost_s": verify, "prompts": len(prompts)}
+    if drafter.kind == "medusa":
+        seqs = []
+        for ids in prompts:
+            out = selfspec.generate(model, ids, max_new_tokens=args.new_tokens)
+            seqs.append((out.sequences[0], ids.shape[-1] - 1))
+        acc = heads_accuracy(model, drafter, seqs, ranks=4)
+        draft = heads_draft_cost(model, drafter)
+        best, options = choose_tree(acc, verify, draft)
+        for c in options:
+            print(f"  budget {c.budget:2d}: expected MAT {c.expected_mat:.2f}, step {c.step_cost_s * 1e3:5.1f} ms, "
+                  f"{c.tokens_per_s:6.1f} tok/s")
+        print(f"acceptance per depth/rank: {[[round(a, 3) for a in row] for row in acc]}; draft {draft * 1e3:.1f} ms")
+        if best.budget == 0:
+            print("plain decoding is expected to be faster than any tree of these heads on this machine; "
+                  "keeping the smallest tree (the adaptive policy falls back to plain steps on its own)")
+            best = options[1]
+        drafter.set_tree(best.tree)
+        record |= {"acceptance": acc, "draft_cost_s": draft, "budget": best.budget, "tree": best.tree,
+                   "expected_mat": best.expected_mat, "expected_tokens_per_s": best.tokens_per_s}
+        print(f"chosen tree ({best.budget} nodes): {best.tree}")
+    elif drafter.kind == "layerskip":
+        def apply(d, b):
+            d.cfg.max_nodes = b
+            d.cfg.width = min(d.cfg.width, b)
+
+        budgets = [b for b in (1, 2, 3, 4, 6, 8, 12) if b <= args.max_nodes]
+        best, speedups = measured_search(model, drafter, prompts[:3], apply, budgets)
+        print("measured speedup per max_nodes:", {b: round(s, 3) for b, s in speedups.items()})
+        chosen = best or max(speedups, key=speedups.get)
+        apply(drafter, chosen)
+        record |= {"measured_speedup": speedups, "max_nodes": chosen}
+        print(f"chosen max_nodes: {chosen}" + ("" if best else " (nothing beat plain decoding here)"))
+    else:
+        raise SystemExit(f"no calibration for drafters of kind {drafter.kind!r}")
+    if args.dry_run:
+        return
+    meta["config"] = drafter.config_dict()  # the weights are unchanged: rewrite drafter.json only
+    meta.setdefault("extra", {})["calibration"] = json.loads(json.dumps(record))
+    atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1))
+    print(f"stored in {Path(args.checkpoint) / CONFIG_FILE}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Hardware-aware tree choice, training-free exit choice, and adaptive speculation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from selfspec.adaptive import AdaptiveConfig, AdaptivePolicy
+from selfspec.calibration import choose_tree
+from selfspec.drafters.base import DraftContext, Drafter
+from selfspec.engine import decode
+from selfspec.exit_search import rank_exits
+from selfspec.sampling import SamplingConfig
+from selfspec.tree import TreeBuilder
+from stubs import OracleDrafter, table_target
+
+ACC = [[0.7, 0.15, 0.05], [0.55, 0.15, 0.05], [0.45, 0.1, 0.05], [0.4, 0.1, 0.05]]
+
+
+def costs(per_node: float, n: int = 16) -> dict[int, float]:
+    return {k: 1.0 + per_node * (k - 1) for k in range(1, n + 1)}
+
+
+def test_calibration_picks_a_smaller_tree_when_nodes_cost_more():
+    cheap, _ = choose_tree(ACC, costs(0.01))
+    steep, _ = choose_tree(ACC, costs(0.15))
+    assert steep.budget < cheap.budget
+    assert cheap.budget >= 10  # nearly free nodes: a large tree (until a node adds < its cost)
+    assert steep.budget >= 1
+    plain, _ = choose_tree(ACC, costs(2.0))
+    assert plain.budget == 0  # speculation cannot pay: plain decoding
+
+
+def test_calibration_uses_the_measured_curve_not_a_rule():
+    """A non-monotonic cost curve (as measured on CPU): 5 nodes are cheaper than 3, so the
+    choice jumps over the expensive sizes."""
+    curve = {1: 1.0, 2: 1.3, 3: 1.5, 4: 1.5, 5: 1.1, 6: 1.2, 7: 1.4}
+    best, options = choose_tree(ACC, curve)
+    assert best.budget == 4 and len(options) == 7
+    assert best.tokens_per_s == max(o.tokens_per_s for o in options)
+
+
+def test_exit_ranking_trades_acceptance_for_cost():
+    acceptance = [0.1, 0.3, 0.6, 0.8]  # exits after 1..4 layers
+    level = {1: 0.05, 2: 0.1, 3: 0.15, 4: 0.9}  # the deepest exit costs almost a full pass
+    verify = costs(0.05, 8)
+    ranked = rank_exits(acceptance, level, verify, max_depth=4)
+    assert ranked[0].exit_layer == 3
+    assert ranked[0].expected_speedup == max(c.expected_speedup for c in ranked)
+
+
+def test_policy_falls_back_then_probes_and_grows_back():
+    cfg = AdaptiveConfig(probe=3, backoff=4, max_backoff=8, ema=0.5, refresh=1000)
+    p = AdaptivePolicy(cfg)
+    assert not p.speculate()  # the first step is plain: it measures the plain cost
+    p.record(False, 1.0, 1)
+    for _ in range(3):  # speculation emits one token per step and costs more: a loss
+        assert p.speculate()
+        p.record(True, 1.3, 1, 0, True)
+    assert not p.speculate() and p.fallbacks == 1
+    for _ in range(4):
+        assert not p.speculate()
+        p.record(False, 1.0, 1)
+    assert p.speculate()  # the probe after the backoff
+    for _ in range(3):
+        p.record(True, 1.3, 3, 2, True)  # acceptance recovered: three tokens a step
+    assert p.speculate() and p.fallbacks == 1 and p.gain() > 2
+
+
+def test_policy_caps_depth_below_rarely_accepted_levels():
+    p = AdaptivePolicy(AdaptiveConfig(ema=1.0, refresh=1000, min_depth_acceptance=0.2))
+    p.record(False, 1.0, 1)
+    p.record(True, 1.0, 2, 1, True)  # depth 1 accepted, depth 2 rejected
+    assert p.max_depth(8) == 1
+    p.record(True, 1.0, 3, 2, False)  # depth 2 accepted again
+    assert p.max_depth(8) == 8
+
+
+class SlowWrongDrafter(Drafter):
+    """Always wrong (drafts a token the greedy target never picks next) and slow."""
+
+    kind = "slow-wrong"
+
+    def __init__(self, target):
+        super().__init__(None)
+        self.target = target
+
+    def propose(self, ctx: DraftContext):
+        time.sleep(0.003)
+        logits = self.target.logits_after(ctx.tokens.tolist())
+        b = TreeBuilder(ctx.root_token)
+        b.add(0, int(logits.argmin()))
+        return b.build()
+
+
+def test_adaptive_fallback_engages_and_leaves_output_unchanged():
+    cfg, prompt = SamplingConfig(0.0), torch.tensor([1, 2])
+    plain = decode(table_target(), prompt, None, cfg, torch.Generator(), 80, set(), 1000)
+    target = table_target()
+    out = decode(target, prompt, SlowWrongDrafter(target), cfg, torch.Generator(), 80, set(), 1000,
+                 AdaptivePolicy(AdaptiveConfig(probe=3, backoff=8)))
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out.stats.fallbacks >= 1 and out.stats.plain_steps > out.stats.steps // 2
+
+
+def test_adaptive_keeps_speculating_when_drafts_pay():
+    cfg, prompt = SamplingConfig(0.0), torch.tensor([1, 2])
+    reference = decode(table_target(), prompt, None, cfg, torch.Generator(), 120, set(), 1000).sequences[0].tolist()
+    out = decode(table_target(), prompt, OracleDrafter(reference, 6, depth=5, sibling=False), cfg, torch.Generator(),
+                 100, set(), 1000, AdaptivePolicy())
+    assert out.sequences[0].tolist() == reference[:102]
+    assert out.stats.fallbacks == 0 and out.stats.plain_steps <= 2
