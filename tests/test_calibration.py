@@ -14,7 +14,19 @@ from selfspec.engine import decode
 from selfspec.exit_search import rank_exits
 from selfspec.sampling import SamplingConfig
 from selfspec.tree import TreeBuilder
-from stubs import OracleDrafter, table_target
+from stubs import OracleDrafter, TableTarget
+
+PASS_S = 0.002  # a target pass costs about the same for 1 or 6 nodes, as on real hardware
+
+
+class TimedTarget(TableTarget):
+    def forward_tree(self, tree, handoff=None):
+        time.sleep(PASS_S)
+        return super().forward_tree(tree)
+
+
+def table_target():
+    return TimedTarget(6, 0)
 
 ACC = [[0.7, 0.15, 0.05], [0.55, 0.15, 0.05], [0.45, 0.1, 0.05], [0.4, 0.1, 0.05]]
 
@@ -88,7 +100,7 @@ class SlowWrongDrafter(Drafter):
         self.target = target
 
     def propose(self, ctx: DraftContext):
-        time.sleep(0.003)
+        time.sleep(2 * PASS_S)
         logits = self.target.logits_after(ctx.tokens.tolist())
         b = TreeBuilder(ctx.root_token)
         b.add(0, int(logits.argmin()))
@@ -97,9 +109,9 @@ class SlowWrongDrafter(Drafter):
 
 def test_adaptive_fallback_engages_and_leaves_output_unchanged():
     cfg, prompt = SamplingConfig(0.0), torch.tensor([1, 2])
-    plain = decode(table_target(), prompt, None, cfg, torch.Generator(), 80, set(), 1000)
+    plain = decode(table_target(), prompt, None, cfg, torch.Generator(), 60, set(), 1000)
     target = table_target()
-    out = decode(target, prompt, SlowWrongDrafter(target), cfg, torch.Generator(), 80, set(), 1000,
+    out = decode(target, prompt, SlowWrongDrafter(target), cfg, torch.Generator(), 60, set(), 1000,
                  AdaptivePolicy(AdaptiveConfig(probe=3, backoff=8)))
     assert torch.equal(out.sequences, plain.sequences)
     assert out.stats.fallbacks >= 1 and out.stats.plain_steps > out.stats.steps // 2

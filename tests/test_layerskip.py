@@ -139,7 +139,7 @@ def test_bad_options_are_refused():
 
 
 # ---------------------------------------------------------------- distribution equality
-VOCAB, NEW, SAMPLES = 6, 3, 6000
+VOCAB, NEW, SAMPLES = 6, 3, 5000
 DIST_PROMPT = [1, 2, 3]
 
 
@@ -166,19 +166,23 @@ def _exact_law(model, cfg):
     return law
 
 
-@pytest.mark.parametrize("kv_reuse", [True, False])
-def test_sampled_children_keep_the_target_law(kv_reuse):
+def _sampling_drafter(model, kv_reuse=True):
+    return build_drafter(model, "layerskip", exit_layer=1, kv_reuse=kv_reuse, min_score=0.0, width=3, branch=2,
+                         max_depth=2, max_nodes=6)
+
+
+def test_sampled_children_keep_the_target_law():
     """Children drawn without replacement from the early exit's q (T = 0.9, top-k 4), recorded
     with their law: the first three tokens follow the target's exact law (chi-square, 1e-6)."""
     model = _peaked_model()
     cfg = SamplingConfig(0.9, top_k=4)
-    drafter = build_drafter(model, "layerskip", exit_layer=1, kv_reuse=kv_reuse, min_score=0.0, width=3,
-                            branch=2, max_depth=2, max_nodes=6)
+    drafter = _sampling_drafter(model)
     gen = torch.Generator().manual_seed(0)
     counts, tested, accepted = {}, 0, 0
     for _ in range(SAMPLES):
         out = selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=drafter, max_new_tokens=NEW,
-                                temperature=cfg.temperature, top_k=cfg.top_k, generator=gen, eos_token_id=[])
+                                temperature=cfg.temperature, top_k=cfg.top_k, generator=gen, eos_token_id=[],
+                                adaptive=False)
         key = tuple(out.sequences[0, len(DIST_PROMPT):].tolist())
         counts[key] = counts.get(key, 0) + 1
         tested += sum(out.stats.tested_per_depth)
@@ -186,3 +190,27 @@ def test_sampled_children_keep_the_target_law(kv_reuse):
     assert 0 < accepted < tested  # both acceptances and rejections happened
     ok, msg = chi_square_ok(_exact_law(model, cfg), counts, n=SAMPLES)
     assert ok, msg
+
+
+def test_spec_options_override_a_loaded_drafter(tmp_path):
+    from selfspec.drafters import drafter_from_spec
+
+    model = tiny_model("llama", layers=4)
+    save_drafter(build_drafter(model, "layerskip", exit_layer=2), tmp_path / "ls")
+    d = drafter_from_spec(model, f"{tmp_path / 'ls'}@kv_reuse=false,max_nodes=3,min_score=0.0")
+    assert not d.shares_target_cache and d.cfg.max_nodes == 3 and d.cfg.min_score == 0.0
+    with pytest.raises(ValueError, match="exit_layer"):
+        drafter_from_spec(model, f"{tmp_path / 'ls'}@exit_layer=3")
+    m = drafter_from_spec(model, "medusa:num_heads=2").with_options(tree=[[0], [0, 0]])
+    assert m.template.to_list() == [[0], [0, 0]]
+
+
+def test_own_cache_and_shared_cache_sample_the_same_tokens():
+    """Same generator seed -> same trees, same verdicts: the KV handoff changes no number that
+    the sampler reads (so the chi-square test above covers both modes)."""
+    model = _peaked_model()
+    kw = dict(max_new_tokens=12, temperature=0.9, top_k=4, eos_token_id=[], adaptive=False)
+    for seed in range(5):
+        a = selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=_sampling_drafter(model, True), seed=seed, **kw)
+        b = selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=_sampling_drafter(model, False), seed=seed, **kw)
+        assert torch.equal(a.sequences, b.sequences) and a.stats.steps == b.stats.steps

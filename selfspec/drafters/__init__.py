@@ -80,12 +80,20 @@ def drafter_from_spec(model, spec: str, target: str | None = None) -> Drafter | 
     * a bare trainable kind (``medusa``): the checkpoint shipped for ``target`` (error if none);
     * ``kind`` or ``kind:key=value,...``: a fresh drafter from :func:`build_drafter` (values that
       look like integers are parsed as such);
-    * ``a+b+...``: the union of those drafters' trees (16 draft nodes at most).
+    * ``a+b+...``: the union of those drafters' trees (16 draft nodes at most);
+    * ``<checkpoint folder or shipped kind>@key=value,...``: a loaded drafter with tree options
+      changed (e.g. ``layerskip@kv_reuse=false``, ``medusa@tree=[[0],[0,0]]``).
     """
     if spec == "none":
         return None
     if "+" in spec:
         return UnionDrafter([drafter_from_spec(model, s, target) for s in spec.split("+")])
+    if "@" in spec:
+        base, _, opts = spec.partition("@")
+        drafter = drafter_from_spec(model, base, target)
+        if not hasattr(drafter, "with_options"):
+            raise ValueError(f"drafters of kind {drafter.kind!r} take no @options")
+        return drafter.with_options(**_parse_options(opts))
     if Path(spec).is_dir():
         return load_drafter(spec, model)
     if spec in _CHECKPOINTS:
@@ -97,11 +105,22 @@ def drafter_from_spec(model, spec: str, target: str | None = None) -> Drafter | 
             )
         return load_drafter(path, model)
     kind, _, opts = spec.partition(":")
-    options = {}
-    for item in filter(None, opts.split(",")):
-        key, _, value = item.partition("=")
-        options[key] = yaml.safe_load(value)  # 3 -> int, 0.1 -> float, false -> bool, text -> str
-    return build_drafter(model, kind, **options)
+    return build_drafter(model, kind, **_parse_options(opts))
+
+
+def _parse_options(text: str) -> dict:
+    """``a=1,b=0.5,c=false,d=[[0],[1]]`` -> typed values (YAML scalars / flow lists)."""
+    options, key, depth, buf = {}, None, 0, ""
+    for ch in text + ",":
+        if ch == "," and depth == 0:
+            if buf:
+                key, _, value = buf.partition("=")
+                options[key.strip()] = yaml.safe_load(value)
+            buf = ""
+            continue
+        depth += (ch == "[") - (ch == "]")
+        buf += ch
+    return options
 
 
 def _check_options(kind: str, config_cls, options: dict) -> None:

@@ -131,6 +131,19 @@ class LayerSkipDrafter(Drafter):
     def config_dict(self) -> dict:
         return asdict(self.cfg)
 
+    def with_options(self, **options) -> "LayerSkipDrafter":
+        """A drafter sharing this one's adapter with some tree options changed (the drafting
+        layers cannot change: the adapter was trained for them)."""
+        fixed = {"exit_layer", "layers", "adapter", "adapter_layers"} & set(options)
+        if fixed:
+            raise ValueError(f"cannot change {sorted(fixed)} of a trained layer-skip drafter")
+        unknown = set(options) - set(asdict(self.cfg))
+        if unknown:
+            raise ValueError(f"unknown layerskip drafter options {sorted(unknown)}")
+        other = LayerSkipDrafter(self.model, LayerSkipConfig(**(asdict(self.cfg) | options)), self.adapter, self.signature)
+        other.checkpoint_meta = getattr(self, "checkpoint_meta", None)
+        return other
+
     # ------------------------------------------------------------------ drafting
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` last drafting layer outputs -> ``[..., V]`` draft logits."""

@@ -139,6 +139,14 @@ class MedusaDrafter(Drafter):
         template = self.template if depth == self.template.depth else self._shallow(depth)
         return template.fill(ctx.root_token, candidates)
 
+    def with_options(self, tree: list[list[int]] | None = None) -> "MedusaDrafter":
+        """A drafter sharing these heads with another static tree."""
+        other = MedusaDrafter(self.model, self.heads, self.signature)
+        other.template = TreeTemplate(tree) if tree is not None else self.template
+        if other.template.depth > self.heads.cfg.num_heads:
+            raise ValueError(f"tree depth {other.template.depth} exceeds the {self.heads.cfg.num_heads} heads")
+        return other
+
     def _shallow(self, depth: int) -> TreeTemplate:
         return TreeTemplate([p for p in self.template.paths if len(p) <= depth])
 
