@@ -6,7 +6,8 @@
 Question files: Spec-Bench format (``question_id``, ``category``, ``turns``; multi-turn replayed
 turn by turn) or BFCL format (``question`` messages + ``function`` tools in the system message).
 Methods: selfspec drafter specs (``ngram``, ``medusa`` / ``layerskip`` = the shipped checkpoints, a
-checkpoint folder, ``kind:key=value``, ``a+b`` unions) and peers on the same model through
+checkpoint folder, ``kind:key=value``, ``a+b`` unions, ``spec@key=value`` tree options, ``spec#fixed``
+to draft every step without the adaptive fallback) and peers on the same model through
 ``transformers.generate``: ``hf-greedy``, ``hf-prompt-lookup[:N]``, ``hf-early-exit:E``.
 Writes <out>.json (args, command, summary, records), <out>.md (command + table) and
 <out>_speedup.png / <out>_acceptance.png. Finished turns are appended to <out>.partial.jsonl as

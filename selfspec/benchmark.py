@@ -180,9 +180,12 @@ Method = Callable[..., RunResult]
 
 def method_from_spec(model, spec: str, target: str | None = None, adaptive: bool = True) -> Method:
     """``hf-greedy`` (plain ``generate``; sampling at T > 0), ``hf-prompt-lookup[:N]``,
-    ``hf-early-exit:E``, or any selfspec drafter spec (:func:`selfspec.drafters.drafter_from_spec`)."""
+    ``hf-early-exit:E``, or any selfspec drafter spec (:func:`selfspec.drafters.drafter_from_spec`);
+    a selfspec spec ending in ``#fixed`` drafts every step (no adaptive fallback)."""
     from .drafters import drafter_from_spec
 
+    if spec.endswith("#fixed"):
+        spec, adaptive = spec.removesuffix("#fixed"), False
     name, _, arg = spec.partition(":")
     if name == "hf-greedy":
         return HFMethod({})
