@@ -66,17 +66,23 @@ def main(argv=None) -> None:
         questions += qs
     methods = {spec: benchmark.method_from_spec(model, spec, args.model, not args.no_adaptive) for spec in args.methods}
     partial = args.out + ".partial.jsonl" if args.out else None
+    settings = {k: vars(args)[k] for k in ("model", "max_new_tokens", "temperature", "no_adaptive")}
     done = []
     if partial and args.resume and os.path.exists(partial):
         with open(partial) as f:
-            done = benchmark.from_rows([json.loads(line) for line in f if line.strip()])
+            lines = [json.loads(line) for line in f if line.strip()]
+        if not lines or lines[0].get("settings") != settings:
+            raise SystemExit(f"{partial} was written with other settings ({lines[0].get('settings') if lines else None}); "
+                             "rerun without --resume to start over")
+        done = benchmark.from_rows(lines[1:])
         print(f"resuming: {len(done)} records from {partial}")
-    elif partial and os.path.exists(partial):
-        os.remove(partial)
+    elif partial:
+        os.makedirs(os.path.dirname(partial) or ".", exist_ok=True)
+        with open(partial, "w") as f:
+            f.write(json.dumps({"settings": settings}) + "\n")
 
     def persist(turn_records) -> None:
         if partial:
-            os.makedirs(os.path.dirname(partial) or ".", exist_ok=True)
             with open(partial, "a") as f:
                 for row in benchmark.as_rows(turn_records):
                     f.write(json.dumps(row) + "\n")

@@ -44,6 +44,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--max-nodes", type=int, default=16, help="largest tree measured (root excluded)")
+    ap.add_argument("--width", type=int, default=None, help="layer-skip: widest level searched (default: the checkpoint's)")
     ap.add_argument("--dry-run", action="store_true", help="print the choice, leave the checkpoint as it is")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -76,16 +77,16 @@ def main(argv=None) -> None:
                    "expected_mat": best.expected_mat, "expected_tokens_per_s": best.tokens_per_s}
         print(f"chosen tree ({best.budget} nodes): {best.tree}")
     elif drafter.kind == "layerskip":
-        def apply(d, b):
-            d.cfg.max_nodes = b
-            d.cfg.width = min(d.cfg.width, b)
+        width = args.width or drafter.cfg.width
+        def make(b):  # noqa: E306  (a fresh drafter per budget: nothing carries over between them)
+            return drafter.with_options(max_nodes=b, width=min(width, b))
 
         budgets = [b for b in (1, 2, 3, 4, 6, 8, 12) if b <= args.max_nodes]
-        best, speedups = measured_search(model, drafter, prompts[:3], apply, budgets)
+        best, speedups = measured_search(model, make, prompts[:3], budgets)
         print("measured speedup per max_nodes:", {b: round(s, 3) for b, s in speedups.items()})
         chosen = best or max(speedups, key=speedups.get)
-        apply(drafter, chosen)
-        record |= {"measured_speedup": speedups, "max_nodes": chosen}
+        drafter = make(chosen)
+        record |= {"measured_speedup": speedups, "max_nodes": chosen, "width": drafter.cfg.width}
         print(f"chosen max_nodes: {chosen}" + ("" if best else " (nothing beat plain decoding here)"))
     else:
         raise SystemExit(f"no calibration for drafters of kind {drafter.kind!r}")

@@ -10,8 +10,10 @@ run in turn on that prompt (machine noise hits all alike).
 
 Metric conventions (per group of prompts, summed over the group's runs):
 
-* TTFT: seconds from the call to the first new token (prefill + first step);
-* TPOT: seconds per output token after the first; tokens/s = 1 / TPOT;
+* TTFT: seconds from the call (``selfspec.generate`` / ``model.generate``, setup included) to the
+  first step's output (prefill + first step);
+* TPOT: seconds per output token after the first step (a speculative first step may emit several
+  tokens; they are counted in TTFT, not here); tokens/s = 1 / TPOT;
 * speedup = the method's tokens/s / the baseline's tokens/s on the same prompts (greedy: the same
   tokens, so a ratio of times; sampling: rates, since lengths differ);
 * MAT = new tokens / target passes (peers: passes of the full model, counted by a forward hook);
@@ -55,6 +57,7 @@ class Record:
     accepted_per_depth: list[int]
     ttft_s: float = 0.0
     wall_time_s: float = 0.0
+    first_tokens: int = 1
     peak_mem_mib: float = 0.0
     reply: str | None = None  # the baseline's reply text (conversation history on resume)
 
@@ -71,6 +74,7 @@ class RunResult:
     steps: int
     wall_time_s: float
     ttft_s: float
+    first_tokens: int = 1
     prefill_time_s: float = 0.0
     tested_per_depth: list[int] = field(default_factory=list)
     accepted_per_depth: list[int] = field(default_factory=list)
@@ -83,23 +87,26 @@ class SelfspecMethod:
         self.drafter, self.adaptive = drafter, adaptive
 
     def __call__(self, model, ids, *, max_new_tokens: int, temperature: float, seed: int) -> RunResult:
+        start = time.perf_counter()
         out = generate(model, ids, drafter=self.drafter, max_new_tokens=max_new_tokens, temperature=temperature,
                        seed=seed, adaptive=self.adaptive)
+        wall = time.perf_counter() - start
         s = out.stats
-        return RunResult(out.sequences, s.new_tokens, s.steps, s.wall_time_s, s.first_token_s, s.prefill_time_s,
-                         list(s.tested_per_depth), list(s.accepted_per_depth))
+        setup = wall - s.wall_time_s  # argument checks, target wrapper: counted like HF's setup
+        return RunResult(out.sequences, s.new_tokens, s.steps, wall, setup + s.first_token_s, s.first_step_tokens,
+                         setup + s.prefill_time_s, list(s.tested_per_depth), list(s.accepted_per_depth))
 
 
 class _FirstToken:
     """A ``generate`` streamer noting when the first new token arrives (the first ``put`` is the prompt)."""
 
     def __init__(self):
-        self.calls, self.first = 0, None
+        self.calls, self.first, self.first_tokens = 0, None, 1
 
     def put(self, value) -> None:
         self.calls += 1
         if self.calls == 2 and self.first is None:
-            self.first = time.perf_counter()
+            self.first, self.first_tokens = time.perf_counter(), max(1, int(value.numel()))
 
     def end(self) -> None:
         pass
@@ -127,7 +134,7 @@ class HFMethod:
         eos = model.generation_config.eos_token_id
         pad = eos[0] if isinstance(eos, list) else eos
         handle = model.register_forward_pre_hook(count, with_kwargs=True)
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # transformers' generate samples from the global generator
         try:
             start = time.perf_counter()
             seq = model.generate(ids.to(next(model.parameters()).device), max_new_tokens=max_new_tokens,
@@ -137,7 +144,7 @@ class HFMethod:
             handle.remove()
         new = int(seq.shape[1] - ids.shape[1])
         ttft = (streamer.first - start) if streamer.first is not None else wall
-        return RunResult(seq.cpu(), new, passes[0], wall, ttft)
+        return RunResult(seq.cpu(), new, passes[0], wall, ttft, streamer.first_tokens)
 
 
 class PeakMemory:
@@ -163,7 +170,7 @@ class PeakMemory:
         return self
 
     def _watch(self) -> None:
-        while not self.stop.wait(0.002):
+        while not self.stop.wait(0.02):  # rare wake-ups: the sampler must not slow the run it measures
             self.peak = max(self.peak, self._rss())
 
     def __exit__(self, *exc) -> None:
@@ -222,7 +229,9 @@ def run(
     baseline = SelfspecMethod(None)
     questions = list(questions)
     finished = _finished_turns(done or [], ["baseline", *runners])
-    records: list[Record] = list(done or [])
+    # keep only the finished turns' rows of the methods run now (no double counting on resume)
+    records: list[Record] = [r for r in done or [] if (r.question_id, r.turn) in finished
+                             and r.method in {"baseline", *runners}]
     bar = tqdm(total=sum(len(q.turns) for q in questions), desc="benchmark", disable=not progress, unit="turn")
     gen = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     device = next(model.parameters()).device
@@ -271,7 +280,7 @@ def _record(q: Question, turn: int, method: str, ids, out: RunResult, identical:
             reply: str | None = None) -> Record:
     return Record(q.question_id, q.category, turn, method, int(ids.shape[1]), out.new_tokens, out.steps,
                   out.wall_time_s - out.prefill_time_s, out.prefill_time_s, identical, out.tested_per_depth,
-                  out.accepted_per_depth, out.ttft_s, out.wall_time_s, peak_mib, reply)
+                  out.accepted_per_depth, out.ttft_s, out.wall_time_s, out.first_tokens, peak_mib, reply)
 
 
 def summarise(records: list[Record]) -> dict[str, dict[str, dict]]:
@@ -306,8 +315,8 @@ def summarise(records: list[Record]) -> dict[str, dict[str, dict]]:
 
 
 def _rate(records: list[Record]) -> float:
-    """Output tokens per second after the first token (records without a TTFT: after prefill)."""
-    tokens = sum(r.new_tokens - (1 if r.wall_time_s else 0) for r in records)
+    """Output tokens per second after the first step (records without a TTFT: after prefill)."""
+    tokens = sum(r.new_tokens - (r.first_tokens if r.wall_time_s else 0) for r in records)
     seconds = sum(r.after_first_s for r in records)
     return tokens / seconds if seconds > 0 else 0.0
 

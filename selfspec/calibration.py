@@ -125,10 +125,10 @@ def heads_draft_cost(model, drafter, repeats: int = 20) -> float:
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-def measured_search(model, drafter, prompts: list[torch.Tensor], apply, budgets: list[int],
+def measured_search(model, make, prompts: list[torch.Tensor], budgets: list[int],
                     max_new_tokens: int = 64) -> tuple[int, dict[int, float]]:
-    """Pick the budget with the best measured speedup: ``apply(drafter, b)`` sets budget b, then
-    plain and speculative runs alternate on ``prompts`` (see :func:`selfspec.measure.compare`).
+    """Pick the budget with the best measured speedup: ``make(b)`` builds the drafter for budget b,
+    then plain and speculative runs alternate on ``prompts`` (see :func:`selfspec.measure.compare`).
 
     Returns ``(best budget or 0 if nothing beats plain decoding, {budget: speedup})``.
     """
@@ -136,7 +136,7 @@ def measured_search(model, drafter, prompts: list[torch.Tensor], apply, budgets:
 
     speedups = {}
     for b in budgets:
-        apply(drafter, b)
+        drafter = make(b)
         plain = spec = 0.0
         for ids in prompts:
             c = compare(model, ids, drafter, max_new_tokens=max_new_tokens, adaptive=False)

@@ -119,13 +119,13 @@ def decode(
     ``policy`` (optional) decides per step whether to draft and how deep.
     """
     stats = SpecStats()
+    share = drafter is not None and drafter.shares_target_cache and getattr(target, "supports_handoff", False)
     start = time.perf_counter()
     tokens = torch.empty(ids.shape[0] + max_new_tokens, dtype=torch.long)
     tokens[: ids.shape[0]] = ids
     length = ids.shape[0]
     if drafter is not None:
         drafter.reset()
-    share = drafter is not None and drafter.shares_target_cache and getattr(target, "supports_handoff", False)
     root_hidden = target.prefill(ids)
     _sync(target)
     stats.prefill_time_s = time.perf_counter() - start
@@ -157,7 +157,7 @@ def decode(
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t2 - t1
         if stats.steps == 1:
-            stats.first_token_s = t2 - start
+            stats.first_token_s, stats.first_step_tokens = t2 - start, len(new)
         if policy is not None:
             policy.record(speculate, t2 - t0, len(new), verdict.num_accepted, tested_next)
             stats.plain_steps += not speculate

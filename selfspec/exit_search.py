@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .calibration import verify_costs  # noqa: F401  (re-exported for scripts/pick_exit_layer.py)
 from .layer_slice import LayerSlice, num_layers
 from .lm_head import lm_logits
 
@@ -82,8 +81,6 @@ def level_costs(model, exits: list[int], tokens: int = 3, repeats: int = 5, cont
             cache.crop(-tokens)
         costs[e] = sorted(times[1:])[len(times[1:]) // 2]
     return costs
-
-
 
 
 def rank_exits(acceptance: list[float], level: dict[int, float], verify: dict[int, float],

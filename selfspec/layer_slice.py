@@ -42,6 +42,8 @@ class LayerSlice:
         self.indices = [int(i) for i in indices]
         if not self.indices or sorted(set(self.indices)) != self.indices or not 0 <= self.indices[0] <= self.indices[-1] < total:
             raise ValueError(f"layer indices must be increasing, distinct and within [0, {total}), got {list(indices)}")
+        if not isinstance(getattr(self.decoder, "norm", None), nn.Module):
+            raise ValueError(f"{type(self.decoder).__name__} has no final `norm` module: layer slices are not supported")
         self.layers = nn.ModuleList([self.decoder.layers[i] for i in self.indices])
         types = getattr(self.decoder.config, "layer_types", None)
         self.layer_types = None if types is None else [types[i] for i in self.indices]
@@ -51,12 +53,12 @@ class LayerSlice:
     def _swapped(self):
         dec, cfg = self.decoder, self.decoder.config
         saved = dec.layers, getattr(cfg, "layer_types", None), dec.norm
-        dec.layers = self.layers
-        if self.layer_types is not None:
-            cfg.layer_types = self.layer_types
-        if not self.final_norm:
-            dec.norm = nn.Identity()
         try:
+            dec.layers = self.layers
+            if self.layer_types is not None:
+                cfg.layer_types = self.layer_types
+            if not self.final_norm:
+                dec.norm = nn.Identity()
             yield dec
         finally:
             dec.layers, dec.norm = saved[0], saved[2]

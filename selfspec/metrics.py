@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 class SpecStats:
     """Statistics of one ``selfspec.generate`` call.
 
-    ``first_token_s`` is the time to first token (prefill + first step); ``plain_steps`` counts
+    ``first_token_s`` is the time to first token (prefill + first step, which emitted
+    ``first_step_tokens``); TPOT is the time per token after that step; ``plain_steps`` counts
     steps the adaptive policy ran without a draft, ``fallbacks`` how often it backed off.
     """
 
@@ -32,6 +33,7 @@ class SpecStats:
     verify_time_s: float = 0.0
     wall_time_s: float = 0.0
     first_token_s: float = 0.0
+    first_step_tokens: int = 0
     plain_steps: int = 0
     fallbacks: int = 0
 
@@ -49,8 +51,9 @@ class SpecStats:
 
     @property
     def time_per_output_token_s(self) -> float:
-        """Mean seconds per token after the first (TPOT)."""
-        return (self.wall_time_s - self.first_token_s) / (self.new_tokens - 1) if self.new_tokens > 1 else 0.0
+        """Mean seconds per token after the first step (TPOT)."""
+        later = self.new_tokens - self.first_step_tokens
+        return (self.wall_time_s - self.first_token_s) / later if later > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,8 +82,6 @@ def take_per_category(questions: list[Question], n: int) -> list[Question]:
 def calibration_prompts(data_dir: str | Path, n: int) -> list[str]:
     """``n`` prompts for calibration, never from a benchmark set: GSM8K train questions and
     HumanEval function stubs alternately (``data_dir``: the shared data folder)."""
-    import gzip
-
     data_dir = Path(data_dir)
     gsm = [rec["question"] for rec in _jsonl(data_dir / "gsm8k" / "train.jsonl")[: (n + 1) // 2]]
     with gzip.open(data_dir / "HumanEval.jsonl.gz", "rt", encoding="utf-8") as f:

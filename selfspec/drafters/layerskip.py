@@ -39,7 +39,7 @@ from ..sampling import target_probs
 from ..target import LayerHandoff
 from ..tree import DraftTree, Law, TreeBuilder
 from .base import DraftContext, Drafter, TargetSignature
-from .medusa import ResBlock
+from .residual import ResBlock
 
 ADAPTERS = ("none", "block")
 
@@ -81,6 +81,8 @@ class LayerSkipConfig:
             raise ValueError(f"adapter must be one of {ADAPTERS}, got {self.adapter!r}")
         if self.layers is None and self.exit_layer < 1:
             raise ValueError(f"exit_layer must be >= 1, got {self.exit_layer}")
+        if self.layers is not None and len(self.layers) == 0:
+            raise ValueError("layers must name at least one layer")
         for name in ("adapter_layers", "max_depth", "max_nodes", "width", "branch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -131,6 +133,11 @@ class LayerSkipDrafter(Drafter):
     def config_dict(self) -> dict:
         return asdict(self.cfg)
 
+    def _own_length(self) -> int:
+        """Slots in the drafter's own cache (read at its first drafting layer: a subset need not
+        include layer 0)."""
+        return self.cache.get_seq_length(self.indices[0])
+
     def with_options(self, **options) -> "LayerSkipDrafter":
         """A drafter sharing this one's adapter with some tree options changed (the drafting
         layers cannot change: the adapter was trained for them)."""
@@ -164,8 +171,8 @@ class LayerSkipDrafter(Drafter):
                 raise RuntimeError(f"target cache holds {start} slots, expected {prefix}")
         else:
             cache, start = self.cache, min(self.cached, prefix)
-            if cache_length(cache) > start:
-                cache.crop(-(cache_length(cache) - start))
+            if self._own_length() > start:
+                cache.crop(-(self._own_length() - start))
         # Pass 1: committed tokens the cache lacks, then the root (shared: the root only).
         ids = tokens[start:length]
         m = ids.shape[0]
@@ -227,7 +234,7 @@ class LayerSkipDrafter(Drafter):
         if shared:
             ctx.handoff = LayerHandoff(len(self.indices), torch.cat(rows))
         else:
-            extra = cache_length(cache) - length  # keep the committed tokens and the root
+            extra = self._own_length() - length  # keep the committed tokens and the root
             if extra > 0:
                 cache.crop(-extra)
             self.cached = length

@@ -23,6 +23,7 @@ from torch import nn
 from ..lm_head import lm_logits
 from ..tree import DraftTree, TreeBuilder, TreeTemplate
 from .base import DraftContext, Drafter, TargetSignature
+from .residual import ResBlock
 
 # A 10-node tree for CPU targets (verify cost grows quickly with nodes there); replaced by the one
 # chosen from measured head accuracies when a trained checkpoint is loaded.
@@ -55,19 +56,6 @@ class MedusaConfig:
         depth = max((len(p) for p in self.tree), default=0)
         if depth > self.num_heads:
             raise ValueError(f"tree depth {depth} exceeds num_heads {self.num_heads}")
-
-
-class ResBlock(nn.Module):
-    """``x + SiLU(W x + b)`` with W, b zero-initialised (identity at start)."""
-
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + nn.functional.silu(self.linear(x))
 
 
 class MedusaHeads(nn.Module):

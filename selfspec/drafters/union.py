@@ -25,6 +25,9 @@ class UnionDrafter(Drafter):
         if max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
         super().__init__(members[0].signature)
+        # members that can sample their children are asked for point-mass trees instead
+        members = [m.with_options(sampled=False) if getattr(getattr(m, "cfg", None), "sampled", False) else m
+                   for m in members]
         self.members, self.max_nodes = members, max_nodes
         self.needs_hidden = any(m.needs_hidden for m in members)
 
