@@ -41,6 +41,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="alternating plain/speculative runs to time")
     ap.add_argument("--system", default=None, help="optional system message")
+    ap.add_argument("--no-adaptive", action="store_true", help="draft every step (no fallback to plain steps)")
     args = ap.parse_args(argv)
 
     print(f"loading {args.model} ...", flush=True)
@@ -51,7 +52,7 @@ def main(argv=None) -> None:
         drafter_spec = "medusa+ngram" if shipped_checkpoint(args.model, "medusa").is_dir() else "ngram"
     drafter = drafter_from_spec(model, drafter_spec, args.model)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-               top_p=args.top_p, seed=args.seed)
+               top_p=args.top_p, seed=args.seed, adaptive=not args.no_adaptive)
     result = compare(model, ids, drafter, repeats=args.repeats, **gen)
     spec_name = drafter_spec
     spec, plain = result.spec, result.plain
@@ -65,6 +66,9 @@ def main(argv=None) -> None:
     print(f"mean accepted length {spec.stats.mean_accepted_length:7.2f}   (tokens per target pass, plain = 1)")
     acc = ", ".join(f"{a:.2f}" for a in spec.stats.acceptance_per_depth[:6])
     print(f"acceptance per depth [{acc}]")
+    if not args.no_adaptive:
+        print(f"adaptive             {spec.stats.plain_steps} of {spec.stats.steps} steps ran plain "
+              f"({spec.stats.fallbacks} fallback(s) while drafting did not pay)")
     if args.temperature == 0:
         print(f"identical to plain greedy: {result.identical}")
 

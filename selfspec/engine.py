@@ -15,6 +15,7 @@ never runs past the model's context. All input checks happen here, once, at the 
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -95,7 +96,8 @@ def generate(
     limit = context_length(model) or ids.shape[0] + max_new_tokens
     policy = None
     if drafter is not None and adaptive is not False:
-        policy = AdaptivePolicy(adaptive if isinstance(adaptive, AdaptiveConfig) else None)
+        policy = _policy_for(drafter, adaptive if isinstance(adaptive, AdaptiveConfig) else AdaptiveConfig())
+        policy.begin()
     out = decode(target, ids, drafter, cfg, gen, max_new_tokens, eos, limit, policy)
     out.sequences = out.sequences.to(input_ids.device if torch.is_tensor(input_ids) else "cpu")
     return out
@@ -159,8 +161,9 @@ def decode(
         if stats.steps == 1:
             stats.first_token_s, stats.first_step_tokens = t2 - start, len(new)
         if policy is not None:
-            policy.record(speculate, t2 - t0, len(new), verdict.num_accepted, tested_next)
-            stats.plain_steps += not speculate
+            drafted = speculate and tree.num_nodes > 1  # an empty draft costs (about) a plain step
+            policy.record(drafted, t2 - t0, len(new), verdict.num_accepted, tested_next)
+            stats.plain_steps += not drafted
             stats.fallbacks = policy.fallbacks
         if speculate:
             drafter.observe(ctx, tree, verdict)
@@ -171,6 +174,17 @@ def decode(
             break
     stats.wall_time_s = time.perf_counter() - start
     return SpecOutput(tokens[None, :length].clone(), stats, finish)
+
+
+_POLICIES: "weakref.WeakKeyDictionary[Drafter, AdaptivePolicy]" = weakref.WeakKeyDictionary()
+
+
+def _policy_for(drafter: Drafter, cfg: AdaptiveConfig) -> AdaptivePolicy:
+    """The drafter's adaptive policy, kept across calls (a new one when the config changes)."""
+    policy = _POLICIES.get(drafter)
+    if policy is None or policy.cfg != cfg:
+        policy = _POLICIES[drafter] = AdaptivePolicy(cfg)
+    return policy
 
 
 def _checked(tree: DraftTree, ctx: DraftContext) -> DraftTree:

@@ -82,12 +82,39 @@ def test_policy_falls_back_then_probes_and_grows_back():
 
 
 def test_policy_caps_depth_below_rarely_accepted_levels():
-    p = AdaptivePolicy(AdaptiveConfig(ema=1.0, refresh=1000, min_depth_acceptance=0.2))
+    p = AdaptivePolicy(AdaptiveConfig(ema=1.0, refresh=1000, min_depth_acceptance=0.2, min_depth_samples=1))
     p.record(False, 1.0, 1)
     p.record(True, 1.0, 2, 1, True)  # depth 1 accepted, depth 2 rejected
     assert p.max_depth(8) == 1
     p.record(True, 1.0, 3, 2, False)  # depth 2 accepted again
     assert p.max_depth(8) == 8
+    q = AdaptivePolicy()  # defaults: one early rejection caps nothing, repeated ones do
+    q.record(False, 1.0, 1)
+    q.record(True, 1.0, 2, 1, True)
+    assert q.max_depth(8) == 8
+    for _ in range(12):
+        q.record(True, 1.0, 2, 1, True)
+    assert q.max_depth(8) == 1
+
+
+def test_policy_state_carries_over_between_generations():
+    """A drafter that lost in one call starts the next call backed off, not probing again."""
+    from selfspec.engine import _policy_for
+
+    drafter = OracleDrafter([0], 6)
+    p = _policy_for(drafter, AdaptiveConfig(probe=2, backoff=8))
+    p.record(False, 1.0, 1)
+    for _ in range(2):
+        p.record(True, 2.0, 1, 0, True)
+    assert p.fallbacks == 1
+    again = _policy_for(drafter, AdaptiveConfig(probe=2, backoff=8))
+    again.begin()
+    assert again is p and not again.speculate() and again.plain_left == 8  # still backed off
+    for _ in range(8):
+        again.record(False, 1.0, 1)
+    again.begin()
+    assert again.speculate()  # the plain cost is known: a new call does not start with a plain step
+    assert _policy_for(drafter, AdaptiveConfig(probe=3)) is not p  # another config: a fresh policy
 
 
 class SlowWrongDrafter(Drafter):
