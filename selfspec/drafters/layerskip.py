@@ -173,39 +173,26 @@ class LayerSkipDrafter(Drafter):
             cache, start = self.cache, min(self.cached, prefix)
             if self._own_length() > start:
                 cache.crop(-(self._own_length() - start))
-        # Pass 1: committed tokens the cache lacks, then the root (shared: the root only).
-        ids = tokens[start:length]
-        m = ids.shape[0]
-        visible = torch.ones(m, start + m, dtype=torch.bool)
-        visible[:, start:] = torch.ones(m, m, dtype=torch.bool).tril()
-        pos = torch.arange(start, length)
-        h = self.body(input_ids=ids[None].to(self.masks.device), position_ids=pos[None].to(self.masks.device),
-                      attention_mask=self.masks.build(visible, pos, torch.arange(start + m)), cache=cache)[0]
-        rows = [h[-1:]]  # h_E per tree node, flat order
+        h = self._catch_up(tokens[start:length], start, cache)  # [1, H]: the root's output
+        rows = [h]  # h_E per tree node, flat order
         builder = TreeBuilder(ctx.root_token)
         parents, depths, scores = [-1], [0], [1.0]
         anc = torch.zeros(cfg.max_nodes + 1, cfg.max_nodes + 1, dtype=torch.bool)
         anc[0, 0] = True
         level = [0]
-        logits = self.draft_logits(h[-1:])  # [1, V]
+        logits = self.draft_logits(h)  # [1, V]
         max_depth = min(cfg.max_depth, ctx.max_depth)
         sampled = cfg.sampled and not ctx.sampling.greedy
         for depth in range(1, max_depth + 1):
             q_score = logits.float().softmax(-1)  # [m, V] confidence used to shape the tree
             top = q_score.topk(min(cfg.branch, q_score.shape[-1]), dim=-1)
-            path = torch.tensor([scores[a] for a in level])[:, None] * top.values.cpu()  # [m, branch]
             room = min(cfg.width, cfg.max_nodes + 1 - len(parents))
-            flat = path.flatten()
-            best = flat.topk(min(room, flat.numel()))
-            chosen = [(int(i) // path.shape[1], int(i) % path.shape[1]) for v, i in zip(best.values, best.indices)
-                      if float(v) >= cfg.min_score]
+            chosen = self._pick(torch.tensor([scores[a] for a in level]), top.values.cpu(), room)
             if not chosen:
                 break
-            chosen.sort()  # group siblings, parents in level order, ranks in order
             new_nodes = []
-            for j in sorted({j for j, _ in chosen}):
+            for j, ranks in chosen.items():
                 parent = level[j]
-                ranks = [r for jj, r in chosen if jj == j]
                 if sampled:
                     q = target_probs(logits[j], ctx.sampling)
                     builder.set_draft_probs(parent, q)
@@ -239,6 +226,29 @@ class LayerSkipDrafter(Drafter):
                 cache.crop(-extra)
             self.cached = length
         return tree
+
+    def _catch_up(self, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
+        """Pass 1: the committed tokens ``ids`` (``[m]``, at positions ``start..``) the cache lacks,
+        ending with the root (shared cache: the root only); returns the root's ``[1, H]`` output."""
+        m = ids.shape[0]
+        visible = torch.ones(m, start + m, dtype=torch.bool)
+        visible[:, start:] = torch.ones(m, m, dtype=torch.bool).tril()
+        pos = torch.arange(start, start + m)
+        h = self.body(input_ids=ids[None].to(self.masks.device), position_ids=pos[None].to(self.masks.device),
+                      attention_mask=self.masks.build(visible, pos, torch.arange(start + m)), cache=cache)[0]
+        return h[-1:]
+
+    def _pick(self, level_scores: torch.Tensor, top_probs: torch.Tensor, room: int) -> dict[int, list[int]]:
+        """EAGLE-2 selection: the ``room`` best candidates by path draft probability (parent score
+        ``level_scores [m]`` times candidate probability ``top_probs [m, branch]``), at least
+        ``min_score``; returns ``{level position: [candidate ranks]}``, both increasing."""
+        path = level_scores[:, None] * top_probs  # [m, branch]
+        best = path.flatten().topk(min(room, path.numel()))
+        chosen: dict[int, list[int]] = {}
+        for v, i in zip(best.values.tolist(), best.indices.tolist()):
+            if v >= self.cfg.min_score:
+                chosen.setdefault(i // path.shape[1], []).append(i % path.shape[1])
+        return {j: sorted(r) for j, r in sorted(chosen.items())}
 
     def _forward_nodes(self, builder: TreeBuilder, nodes: list[int], anc: torch.Tensor, depths: list[int],
                        prefix: int, cache) -> torch.Tensor:
