@@ -63,6 +63,19 @@ def choose_tree(acc: list[list[float]], verify_cost: dict[int, float], draft_cos
     return max(options, key=lambda c: c.tokens_per_s), options
 
 
+def median_seconds(run, repeats: int, after=None) -> float:
+    """Median wall seconds of ``run()`` over ``repeats`` calls after one warm-up call
+    (``after()``, untimed, runs after each call: e.g. to crop a cache back)."""
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+        if after is not None:
+            after()
+    return sorted(times[1:])[repeats // 2]
+
+
 @torch.no_grad()
 def verify_costs(model, sizes: list[int], repeats: int = 5, context: int = 256) -> dict[int, float]:
     """Median seconds of one target pass (decoder + LM head) over n new tokens with a
@@ -75,13 +88,9 @@ def verify_costs(model, sizes: list[int], repeats: int = 5, context: int = 256) 
         ids = torch.arange(context + n, device=device)[None] % vocab
         cache = new_cache()
         decoder(input_ids=ids[:, :context], cache=cache)
-        times = []
-        for _ in range(repeats + 1):
-            t = time.perf_counter()
-            lm_logits(model, decoder(input_ids=ids[:, context:], cache=cache).last_hidden_state[0])
-            times.append(time.perf_counter() - t)
-            cache.crop(-n)
-        costs[n] = sorted(times[1:])[len(times[1:]) // 2]
+        costs[n] = median_seconds(
+            lambda: lm_logits(model, decoder(input_ids=ids[:, context:], cache=cache).last_hidden_state[0]),
+            repeats, lambda: cache.crop(-n))
     return costs
 
 
@@ -117,12 +126,7 @@ def heads_draft_cost(model, drafter, repeats: int = 20) -> float:
     hidden = model.config.get_text_config(decoder=True).hidden_size
     ctx = DraftContext(torch.tensor([1, 2]), torch.randn(hidden, dtype=drafter._dtype()), 64, SamplingConfig(0.0),
                        torch.Generator())
-    times = []
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        drafter.propose(ctx)
-        times.append(time.perf_counter() - t)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    return median_seconds(lambda: drafter.propose(ctx), repeats)
 
 
 def measured_search(model, make, prompts: list[torch.Tensor], budgets: list[int],

@@ -142,3 +142,18 @@ def check_target(meta: dict, model, path) -> None:
             f"checkpoint {str(path)!r} was trained on another target: weight fingerprint {want.fingerprint}, "
             f"this model has {have} (same architecture, different weights)"
         )
+
+
+def adapter_state(weights: dict, prefix: str, expected: dict) -> dict:
+    """The tensors of ``weights`` under ``prefix`` (prefix removed), checked against a module's
+    ``state_dict()`` ``expected``: same names and shapes, else ``ValueError`` naming them."""
+    kind = prefix.rstrip(".")
+    state = {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
+    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+    if missing or unexpected:
+        raise ValueError(f"{kind} weights do not match the config: missing {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]}")
+    bad = [k for k in expected if expected[k].shape != state[k].shape]
+    if bad:
+        raise ValueError(f"{kind} weights have wrong shapes for {bad[:4]}")
+    return state

@@ -12,11 +12,11 @@ token per token) picks (E, D). The best candidates are then timed for real by th
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
+from .calibration import median_seconds
 from .layer_slice import LayerSlice, num_layers
 from .lm_head import lm_logits
 
@@ -72,14 +72,8 @@ def level_costs(model, exits: list[int], tokens: int = 3, repeats: int = 5, cont
         body = LayerSlice(model, range(e), final_norm=False)
         cache = new_cache()
         body(input_ids=ids[:, :context], cache=cache)
-        times = []
-        for _ in range(repeats + 1):
-            t = time.perf_counter()
-            h = body(input_ids=ids[:, context:], cache=cache)
-            lm_logits(model, norm(h[0]))
-            times.append(time.perf_counter() - t)
-            cache.crop(-tokens)
-        costs[e] = sorted(times[1:])[len(times[1:]) // 2]
+        costs[e] = median_seconds(lambda: lm_logits(model, norm(body(input_ids=ids[:, context:], cache=cache)[0])),
+                                  repeats, lambda: cache.crop(-tokens))
     return costs
 
 

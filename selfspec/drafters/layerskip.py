@@ -283,19 +283,14 @@ def layerskip_weights(drafter: LayerSkipDrafter) -> dict[str, torch.Tensor]:
 
 def layerskip_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor]) -> LayerSkipDrafter:
     """Rebuild the drafter from a checkpoint already checked against ``model``."""
+    from ..checkpoint import adapter_state  # checkpoint imports the drafters package
+
     try:
         cfg = LayerSkipConfig(**meta["config"])
     except (KeyError, TypeError) as err:
         raise ValueError(f"layerskip checkpoint config is invalid: {err}") from None
     drafter = build_layerskip(model, **asdict(cfg))
-    state = {k.removeprefix("layerskip."): v for k, v in weights.items() if k.startswith("layerskip.")}
-    expected = drafter.adapter.state_dict() if drafter.adapter is not None else {}
-    if set(state) != set(expected):
-        raise ValueError(f"layerskip weights do not match the config: missing {sorted(set(expected) - set(state))[:4]}, "
-                         f"unexpected {sorted(set(state) - set(expected))[:4]}")
-    bad = [k for k in expected if expected[k].shape != state[k].shape]
-    if bad:
-        raise ValueError(f"layerskip weights have wrong shapes for {bad[:4]}")
+    state = adapter_state(weights, "layerskip.", drafter.adapter.state_dict() if drafter.adapter is not None else {})
     if drafter.adapter is not None:
         drafter.adapter.load_state_dict(state)
     return drafter

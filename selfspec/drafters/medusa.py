@@ -161,6 +161,8 @@ def medusa_weights(drafter: MedusaDrafter) -> dict[str, torch.Tensor]:
 
 def medusa_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor]) -> MedusaDrafter:
     """Rebuild the drafter from a checkpoint already checked against ``model``."""
+    from ..checkpoint import adapter_state  # checkpoint imports the drafters package
+
     try:
         cfg = MedusaConfig(**meta["config"])
     except (KeyError, TypeError) as err:
@@ -168,15 +170,7 @@ def medusa_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor]) 
     param = next(model.parameters())
     hidden = model.config.get_text_config(decoder=True).hidden_size
     heads = MedusaHeads(cfg, hidden, model.get_output_embeddings() if cfg.own_lm_head else None)
-    state = {k.removeprefix("medusa."): v for k, v in weights.items() if k.startswith("medusa.")}
-    expected = heads.state_dict()
-    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
-    if missing or unexpected:
-        raise ValueError(f"medusa weights do not match the config: missing {sorted(missing)[:4]}, "
-                         f"unexpected {sorted(unexpected)[:4]}")
-    bad = [k for k in expected if expected[k].shape != state[k].shape]
-    if bad:
-        raise ValueError(f"medusa weights have wrong shapes for {bad[:4]}")
+    state = adapter_state(weights, "medusa.", heads.state_dict())
     heads = heads.to(param.device, param.dtype)  # before loading, so values keep their precision
     heads.load_state_dict(state)
     return MedusaDrafter(model, heads)
