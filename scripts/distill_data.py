@@ -24,7 +24,9 @@ def main(argv=None) -> None:
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. distill.batch_size=8")
     args = ap.parse_args(argv)
     job = load_config(DistillJob, args.config, args.overrides)
-    model, tokenizer = selfspec.load_target(job.target)
+    import torch
+
+    model, tokenizer = selfspec.load_target(job.target, dtype=getattr(torch, job.dtype))
     path = distill(model, tokenizer, job.distill, job.out, target_name=job.target)
     print(f"dataset written to {path}")
 

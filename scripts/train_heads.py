@@ -1,6 +1,8 @@
-"""Train a drafter (Medusa heads or a layer-skip exit adapter) on a frozen target from self-distilled data.
+"""Train a drafter (EAGLE-3 head, Medusa heads or a layer-skip exit adapter) on a frozen target
+from self-distilled data.
 
-    python scripts/train_heads.py --config configs/medusa_smollm2.yaml [--resume] [optim.lr=3e-4 ...]
+    python scripts/train_heads.py --config configs/eagle3_smollm2.yaml [--resume] [optim.lr=3e-4 ...]
+    python scripts/train_heads.py --config configs/medusa_smollm2.yaml
     python scripts/train_heads.py --config configs/layerskip_smollm2.yaml
 
 On a GPU machine: accelerate launch scripts/train_heads.py --config configs/medusa_qwen2.5-7b_gpu.yaml
@@ -16,8 +18,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from training.config import load_config  # noqa: E402
-from training.heads_recipe import HeadsTrainConfig, run  # noqa: E402
+from training.config import load_any  # noqa: E402
+from training import eagle3_recipe, heads_recipe  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -26,8 +28,15 @@ def main(argv=None) -> None:
     ap.add_argument("--resume", action="store_true", help="continue from <run.out_dir>/checkpoint")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 run.wandb_mode=disabled")
     args = ap.parse_args(argv)
-    cfg = load_config(HeadsTrainConfig, args.config, args.overrides)
-    summary = run(cfg, resume=args.resume)
+    cfg = load_any(args.config, args.overrides, default_recipe="train_heads")
+    if isinstance(cfg, eagle3_recipe.Eagle3TrainConfig):
+        summary = eagle3_recipe.run(cfg, resume=args.resume)
+        m = summary["metrics"]
+        print(f"steps {summary['steps']}; held-out top-1 per unrolled step "
+              f"{[round(a, 3) for a in m['eval/top1_per_step']]}; T=1 acceptance "
+              f"{[round(a, 3) for a in m['eval/accept_t1_per_step']]}; expected chain MAT {m['eval/expected_mat_chain']:.2f}")
+        return
+    summary = heads_recipe.run(cfg, resume=args.resume)
     m = summary["metrics"]
     mat = m.get("eval/expected_mat_current_tree", m.get("eval/expected_mat_chain"))
     print(f"steps {summary['steps']}; held-out top-1 per prediction "

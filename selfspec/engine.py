@@ -92,7 +92,8 @@ def generate(
         drafter.check_target(model)
     gen = _make_generator(seed, generator, device)
     eos = _eos_ids(model, eos_token_id)
-    target = TreeTarget(model, want_hidden=drafter is not None and drafter.needs_hidden)
+    target = TreeTarget(model, want_hidden=drafter is not None and drafter.needs_hidden,
+                        taps=drafter.taps if drafter is not None else ())
     limit = context_length(model) or ids.shape[0] + max_new_tokens
     policy = None
     if drafter is not None and adaptive is not False:
@@ -128,7 +129,9 @@ def decode(
     length = ids.shape[0]
     if drafter is not None:
         drafter.reset()
-    root_hidden = target.prefill(ids)
+    pre = target.prefill(ids)
+    root_hidden = pre.hidden[-1] if pre.hidden is not None else None
+    features = pre.taps  # taps of committed positions the drafter has not seen yet
     _sync(target)
     stats.prefill_time_s = time.perf_counter() - start
     finish = "length"
@@ -140,8 +143,11 @@ def decode(
         t0 = time.perf_counter()
         speculate = drafter is not None and budget > 1 and (policy is None or policy.speculate())
         depth = policy.max_depth(budget - 1) if policy is not None else budget - 1
-        ctx = DraftContext(tokens[:length], root_hidden, depth, cfg, gen, target.cache if share else None)
+        ctx = DraftContext(tokens[:length], root_hidden, depth, cfg, gen, target.cache if share else None,
+                           features=features if speculate else None)
         tree = _checked(drafter.propose(ctx), ctx) if speculate else DraftTree.root_only(int(tokens[length - 1]))
+        if speculate:
+            features = None
         t1 = time.perf_counter()
         prefix = target.prefix_len
         scored = target.forward_tree(tree, ctx.handoff) if ctx.handoff is not None else target.forward_tree(tree)
@@ -169,6 +175,9 @@ def decode(
             drafter.observe(ctx, tree, verdict)
         if scored.hidden is not None:
             root_hidden = scored.hidden[verdict.path[-1]]
+        if scored.taps is not None:
+            new_taps = scored.taps[verdict.path]
+            features = new_taps if features is None else torch.cat([features, new_taps])
         if cut is not None:
             finish = "eos"
             break

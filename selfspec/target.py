@@ -26,6 +26,7 @@ from .attention_mask import MaskBuilder
 from .kv_cache import cache_length, keep_path, new_cache
 from .layer_slice import LayerSlice, num_layers, slices_compose
 from .lm_head import head_matches_forward, lm_logits
+from .taps import capture_taps
 from .tree import DraftTree
 
 
@@ -48,12 +49,16 @@ class TreeOutput:
     """Per-node results of one tree pass.
 
     Attributes:
-        logits: ``[n, V]`` node i's logits, i.e. the target's prediction after path root..i.
+        logits: ``[n, V]`` node i's logits, i.e. the target's prediction after path root..i
+            (``None`` for a prefill).
         hidden: ``[n, H]`` last (post-norm) hidden states, or ``None`` when not requested.
+        taps: ``[n, len(taps) * H]`` the requested intermediate hidden states (see
+            :mod:`selfspec.taps`) of each node, or ``None``.
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     hidden: torch.Tensor | None
+    taps: torch.Tensor | None = None
 
 
 def context_length(model) -> int | None:
@@ -64,9 +69,10 @@ def context_length(model) -> int | None:
 class TreeTarget:
     """Runs a causal LM over draft trees for one sequence (batch size 1)."""
 
-    def __init__(self, model, *, want_hidden: bool = False):
+    def __init__(self, model, *, want_hidden: bool = False, taps: tuple[int, ...] = ()):
         self.model = model
         self.want_hidden = want_hidden
+        self.taps = tuple(taps)
         self.masks = MaskBuilder(model)
         self.device, self.dtype = self.masks.device, self.masks.dtype
         self.cache = new_cache()
@@ -87,22 +93,26 @@ class TreeTarget:
         return self._prefix
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor | None:
+    def prefill(self, ids: torch.Tensor) -> TreeOutput:
         """Cache ``ids[:-1]`` (``ids``: ``[L]``); the last token is the first root.
 
-        Returns the last hidden state ``[H]`` at position ``L - 2`` (the one that predicted the
-        root) when hidden states are wanted and the prompt has two tokens or more, else ``None``.
+        Returns ``TreeOutput(None, hidden, taps)``: ``hidden`` ``[1, H]`` is the last hidden state at
+        position ``L - 2`` (the one that predicted the root) when hidden states are wanted, ``taps``
+        ``[L - 1, D]`` the taps of positions ``0 .. L - 2`` when taps are wanted; both ``None`` for
+        a one-token prompt.
         """
         self.cache = new_cache()
         self._prefix = max(0, ids.shape[0] - 1)
         if ids.shape[0] < 2:
-            return None
+            return TreeOutput(None, None, None)
         inputs = dict(input_ids=ids[None, :-1].to(self.device), cache=self.cache, use_cache=True)
-        if self.decoder is not None:
-            last = self.decoder(**inputs).last_hidden_state[0, -1]
-            return last if self.want_hidden else None
-        out = self.model(**inputs, output_hidden_states=self.want_hidden, logits_to_keep=1)
-        return out.hidden_states[-1][0, -1] if self.want_hidden else None
+        with capture_taps(self.model, self.taps) as record:
+            if self.decoder is not None:
+                last = self.decoder(**inputs).last_hidden_state[0, -1:]
+            else:
+                out = self.model(**inputs, output_hidden_states=self.want_hidden, logits_to_keep=1)
+                last = out.hidden_states[-1][0, -1:] if self.want_hidden else None
+        return TreeOutput(None, last if self.want_hidden else None, record.get()[0] if self.taps else None)
 
     @torch.no_grad()
     def forward_tree(self, tree: DraftTree, handoff: LayerHandoff | None = None) -> TreeOutput:
@@ -122,16 +132,21 @@ class TreeTarget:
             upper = self._upper.get(handoff.layers)
             if upper is None:
                 upper = self._upper[handoff.layers] = LayerSlice(self.model, range(handoff.layers, num_layers(self.model)))
+            if self.taps:
+                raise RuntimeError("a layer handoff skips the layers that taps read")
             hidden = upper(inputs_embeds=handoff.hidden[None], attention_mask=mask, position_ids=positions,
                            cache=self.cache)[0]
             return TreeOutput(lm_logits(self.model, hidden), hidden if self.want_hidden else None)
         inputs = dict(input_ids=tree.tokens[None].to(self.device), attention_mask=mask, position_ids=positions,
                       cache=self.cache, use_cache=True)
-        if self.decoder is not None:
-            hidden = self.decoder(**inputs).last_hidden_state[0]
-            return TreeOutput(lm_logits(self.model, hidden), hidden if self.want_hidden else None)
-        out = self.model(**inputs, output_hidden_states=self.want_hidden)
-        return TreeOutput(out.logits[0], out.hidden_states[-1][0] if self.want_hidden else None)
+        with capture_taps(self.model, self.taps) as record:
+            if self.decoder is not None:
+                hidden = self.decoder(**inputs).last_hidden_state[0]
+                logits = lm_logits(self.model, hidden)
+            else:
+                out = self.model(**inputs, output_hidden_states=self.want_hidden)
+                logits, hidden = out.logits[0], out.hidden_states[-1][0] if self.want_hidden else None
+        return TreeOutput(logits, hidden if self.want_hidden else None, record.get()[0] if self.taps else None)
 
     def commit(self, path: list[int], prefix_len: int) -> None:
         """Keep the KV of the accepted ``path`` after the ``prefix_len`` committed slots."""

@@ -33,8 +33,8 @@ class TableTarget:
     def prefill(self, ids: torch.Tensor):
         self.committed = ids[:-1].tolist()
         if self.want_hidden and len(self.committed) >= 2:
-            return self.hidden_table[self.committed[-2], self.committed[-1]]
-        return None
+            return TreeOutput(None, self.hidden_table[self.committed[-2], self.committed[-1]][None])
+        return TreeOutput(None, None)
 
     def forward_tree(self, tree: DraftTree) -> TreeOutput:
         self._tree = tree

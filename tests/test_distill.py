@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not DATA.exists(), reason="shared/data not besid
 
 def config(**kw) -> DistillConfig:
     base = dict(sources={"gsm8k": 3, "bfcl_simple": 2, "humaneval": 1}, data_dir=str(DATA), max_new_tokens=6,
-                batch_size=2, shard_size=3, sampled_every=2)
+                batch_size=2, shard_size=3, sampled_every=2, max_prompt_tokens=10**6)
     return DistillConfig(**(base | kw))
 
 

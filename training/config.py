@@ -66,14 +66,19 @@ def dump_config(cfg) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def load_any(path: str | Path, overrides: list[str] | None = None):
-    """Load a config file into the dataclass its ``recipe`` key names."""
+def load_any(path: str | Path | None, overrides: list[str] | None = None, default_recipe: str | None = None):
+    """Load a config file into the dataclass its ``recipe`` key (and, for ``train_heads``, its
+    ``kind``: one recipe per drafter kind) names."""
     from .distill import DistillJob
+    from .eagle3_recipe import Eagle3TrainConfig
     from .heads_recipe import HeadsTrainConfig
 
+    data = (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}) if path is not None else {}
+    data = apply_overrides(data, overrides or [])
+    recipe = data.get("recipe", default_recipe)
+    if recipe == "train_heads" and data.get("kind") == "eagle3":
+        return from_dict(Eagle3TrainConfig, data)
     classes = {"distill": DistillJob, "train_heads": HeadsTrainConfig}
-    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    recipe = data.get("recipe")
     if recipe not in classes:
         raise ValueError(f"{path}: 'recipe' must be one of {sorted(classes)}, got {recipe!r}")
-    return from_dict(classes[recipe], apply_overrides(data, overrides or []))
+    return from_dict(classes[recipe], data)

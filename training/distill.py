@@ -5,9 +5,17 @@ target answers them with batched ``model.generate`` (greedy for most, sampled fo
 the (prompt ids, response ids) pairs are stored as a ``datasets`` dataset on disk with a
 ``provenance.json`` (target fingerprint, config, counts, wall time).
 
-Resumable: answers are written shard by shard (atomically); a rerun skips finished shards. Held
-out by default: MT-Bench (the benchmark's prompts) and the first ``holdout`` BFCL records of each
-file, so benchmark numbers are not measured on training prompts.
+Sources: GSM8K train, HumanEval, BFCL (past the held-out records), the shared chat/instruction
+prompt set (``chat``: ``chat_prompts.jsonl``, first user turn) and tool-calling prompt set
+(``tools``: ``tool_prompts.jsonl.gz``, tools rendered into the system message the way the benchmark
+renders BFCL's). All prompts are shuffled together with a fixed seed, so every prefix of the shards
+is a representative mix (training may start on a partial run).
+
+Resumable: answers are written shard by shard (atomically, fsynced); a rerun skips finished shards.
+The output folder is keyed by a manifest (target fingerprint + config): a rerun with another target
+or config refuses to mix its answers with the old shards. Held out by default: MT-Bench (the
+benchmark's prompts), the first ``holdout`` BFCL records of each file and every prompt whose text
+equals a benchmark prompt, so benchmark numbers are not measured on training prompts.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from tqdm.auto import tqdm
 from selfspec.chat import encode_chat
 from selfspec.loading import DEFAULT_TARGET
 from selfspec.fingerprint import target_fingerprint
-from selfspec.workloads import load_bfcl
+from selfspec.workloads import load_bfcl, tool_system_message
 
 from selfspec.checkpoint import atomic_write_text
 
@@ -45,6 +53,7 @@ class DistillConfig:
         sampled_every: every k-th prompt is answered by sampling (0 = greedy only).
         temperature / top_p: sampling parameters of sampled answers.
         seed: seeds prompt selection and sampling.
+        max_prompt_tokens: prompts longer than this (after the chat template) are skipped.
     """
 
     sources: dict[str, int] = field(
@@ -59,6 +68,7 @@ class DistillConfig:
     temperature: float = 0.7
     top_p: float = 0.95
     seed: int = 0
+    max_prompt_tokens: int = 1024
 
 
 @dataclass
@@ -68,15 +78,44 @@ class DistillJob:
     recipe: str = "distill"
     target: str = DEFAULT_TARGET
     out: str = "runs/distill/smollm2"
+    dtype: str = "float32"
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         if self.recipe != "distill":
             raise ValueError(f"this config is for recipe {self.recipe!r}, not 'distill'")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+KNOWN_SOURCES = ("gsm8k", "bfcl_simple", "bfcl_multiple", "humaneval", "mt_bench", "chat", "tools")
+
+
+def benchmark_prompts(data_dir: str | Path, holdout: int = 100) -> set[str]:
+    """User texts of every prompt set the benchmarks measure on (MT-Bench turns, the held-out BFCL
+    records, the adversarial prompts): self-distillation never trains on them."""
+    from selfspec.workloads import load_spec_bench
+
+    data = Path(data_dir)
+    texts: set[str] = set()
+    mt = data / "mt_bench_question.jsonl"
+    if mt.exists():
+        texts |= {t.strip() for q in load_spec_bench(mt) for t in q.turns}
+    for name in ("BFCL_v4_simple_python.json", "BFCL_v4_multiple.json"):
+        if (data / "bfcl" / name).exists():
+            texts |= {t.strip() for q in load_bfcl(data / "bfcl" / name)[:holdout] for t in q.turns}
+    adversarial = Path(__file__).resolve().parents[1] / "docs" / "prompts" / "adversarial.jsonl"
+    if adversarial.exists():
+        texts |= {t.strip() for q in load_spec_bench(adversarial) for t in q.turns}
+    return texts
 
 
 def collect_prompts(cfg: DistillConfig) -> list[dict]:
-    """``[{source, source_id, system, user}]`` in a fixed, seeded order."""
+    """``[{source, source_id, system, user}]`` in a fixed, seeded order (all sources shuffled
+    together), without any benchmark prompt."""
+    unknown = set(cfg.sources) - set(KNOWN_SOURCES)
+    if unknown:
+        raise ValueError(f"unknown distillation sources {sorted(unknown)}; known: {list(KNOWN_SOURCES)}")
     data = Path(cfg.data_dir)
     g = torch.Generator().manual_seed(cfg.seed)
     out: list[dict] = []
@@ -106,13 +145,30 @@ def collect_prompts(cfg: DistillConfig) -> list[dict]:
             rows = [json.loads(line) for line in f]
         out += [dict(source="mt_bench", source_id=str(r["question_id"]), system=None, user=r["turns"][0])
                 for r in take(rows, n["mt_bench"])]
-    return out
+    if n.get("chat"):
+        with open(data / "chat_prompts.jsonl", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f]
+        out += [dict(source="chat", source_id=r["id"], system=None, user=r["messages"][0]["content"])
+                for r in take(rows, n["chat"])]
+    if n.get("tools"):
+        with gzip.open(data / "tool_prompts.jsonl.gz", "rt", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f]
+        out += [dict(source="tools", source_id=r["id"], system=tool_system_message(r["tools"]),
+                     user=r["messages"][0]["content"]) for r in take(rows, n["tools"])]
+    held = benchmark_prompts(data, cfg.holdout) if not n.get("mt_bench") else set()
+    out = [p for p in out if p["user"].strip() not in held]
+    order = torch.randperm(len(out), generator=g).tolist()
+    return [out[i] for i in order]
 
 
 @torch.no_grad()
 def _answer(model, tokenizer, prompts: list[dict], cfg: DistillConfig, seed: int, sampled: bool) -> list[dict]:
     """Batched generation for one group of prompts (left padding)."""
     encoded = [encode_chat(tokenizer, p["user"], system=p["system"])[0] for p in prompts]
+    keep = [i for i, e in enumerate(encoded) if len(e) <= cfg.max_prompt_tokens]
+    prompts, encoded = [prompts[i] for i in keep], [encoded[i] for i in keep]
+    if not prompts:
+        return []
     width = max(len(e) for e in encoded)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = torch.full((len(encoded), width), pad, dtype=torch.long)
@@ -143,6 +199,7 @@ def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *,
     out = Path(out_dir)
     shards = out / "shards"
     shards.mkdir(parents=True, exist_ok=True)
+    _check_manifest(out, model, cfg)
     prompts = collect_prompts(cfg)
     # Interleave sampled answers: every k-th prompt is sampled.
     for i, p in enumerate(prompts):
@@ -150,6 +207,7 @@ def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *,
     started = time.time()
     groups = [prompts[i: i + cfg.shard_size] for i in range(0, len(prompts), cfg.shard_size)]
     bar = tqdm(total=len(prompts), desc="self-distillation", unit="prompt")
+    made, t_run = 0, time.perf_counter()
     for s, group in enumerate(groups):
         path = shards / f"{s:05d}.jsonl"
         if path.exists():
@@ -157,11 +215,15 @@ def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *,
             continue
         rows: list[dict] = []
         for sampled in (False, True):
-            part = sorted([p for p in group if p["sampled"] == sampled], key=lambda p: len(p["user"]))
+            part = [p for p in group if p["sampled"] == sampled]
+            part = sorted(part, key=lambda p: len(p["user"]) + len(p["system"] or ""))
             for b in range(0, len(part), cfg.batch_size):
                 batch = part[b: b + cfg.batch_size]
-                rows += _answer(model, tokenizer, batch, cfg, cfg.seed * 100003 + s * 1009 + b, sampled)
+                new = _answer(model, tokenizer, batch, cfg, cfg.seed * 100003 + s * 1009 + b, sampled)
+                rows += new
+                made += sum(len(r["response_ids"]) for r in new)
                 bar.update(len(batch))
+                bar.set_postfix(tokens=made, tok_s=f"{made / (time.perf_counter() - t_run):.0f}")
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     bar.close()
     records = [json.loads(line) for path in sorted(shards.glob("*.jsonl")) for line in open(path, encoding="utf-8")]
@@ -174,8 +236,28 @@ def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *,
         examples=len(records),
         response_tokens=sum(len(r["response_ids"]) for r in records),
         per_source={s: sum(r["source"] == s for r in records) for s in cfg.sources},
+        tokens_per_source={s: sum(len(r["response_ids"]) for r in records if r["source"] == s) for s in cfg.sources},
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         wall_time_s_this_run=round(time.time() - started, 1),
+        tokens_per_s_this_run=round(made / max(time.perf_counter() - t_run, 1e-9), 1),
         created=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
     atomic_write_text(out / "provenance.json", json.dumps(provenance, indent=1))
     return out / "dataset"
+
+
+def _check_manifest(out: Path, model, cfg: DistillConfig) -> None:
+    """Write (or check) ``manifest.json``: shards only ever come from one target and config."""
+    manifest = dict(target_fingerprint=target_fingerprint(model), config=asdict(cfg))
+    path = out / "manifest.json"
+    if path.exists():
+        old = json.loads(path.read_text(encoding="utf-8"))
+        if old != manifest:
+            diff = [k for k in ("target_fingerprint",) if old.get(k) != manifest[k]]
+            diff += [f"config.{k}" for k in manifest["config"] if old.get("config", {}).get(k) != manifest["config"][k]]
+            raise ValueError(f"{out} holds answers made with another target or config ({', '.join(diff)}); "
+                             "use another output folder or delete it")
+        return
+    if any((out / "shards").glob("*.jsonl")):
+        raise ValueError(f"{out} holds shards without a manifest: made by an older version; use another folder")
+    atomic_write_text(path, json.dumps(manifest, indent=1))

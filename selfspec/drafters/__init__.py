@@ -9,6 +9,7 @@ from typing import Callable
 import yaml
 
 from .base import DraftContext, Drafter, TargetSignature
+from .eagle3 import Eagle3Config, Eagle3Drafter, build_eagle3, eagle3_from_checkpoint, eagle3_weights
 from .layerskip import (LayerSkipConfig, LayerSkipDrafter, build_layerskip, layerskip_from_checkpoint,
                         layerskip_weights)
 from .medusa import MedusaConfig, MedusaDrafter, build_medusa, medusa_from_checkpoint, medusa_weights
@@ -140,6 +141,11 @@ def _build_layerskip(model, **options) -> LayerSkipDrafter:
     return build_layerskip(model, **options)
 
 
+def _build_eagle3(model, **options) -> Eagle3Drafter:
+    _check_options("eagle3", Eagle3Config, options)
+    return build_eagle3(model, **options)
+
+
 def _build_ngram(model, **options) -> NgramDrafter:
     _check_options("ngram", NgramConfig, options)
     return NgramDrafter(NgramConfig(**options), TargetSignature.of(model))
@@ -155,10 +161,12 @@ register("ngram", _build_ngram)
 register("union", _build_union)
 register("medusa", _build_medusa)
 _CHECKPOINTS["medusa"] = (medusa_weights, medusa_from_checkpoint)
+register("eagle3", _build_eagle3)
+_CHECKPOINTS["eagle3"] = (eagle3_weights, eagle3_from_checkpoint)
 register("layerskip", _build_layerskip)
 _CHECKPOINTS["layerskip"] = (layerskip_weights, layerskip_from_checkpoint)
 
 __all__ = [
-    "DraftContext", "Drafter", "LayerSkipConfig", "LayerSkipDrafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "TargetSignature",
+    "DraftContext", "Drafter", "Eagle3Config", "Eagle3Drafter", "LayerSkipConfig", "LayerSkipDrafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "TargetSignature",
     "UnionDrafter", "build_drafter", "drafter_from_spec", "load_drafter", "register", "save_drafter", "shipped_checkpoint",
 ]

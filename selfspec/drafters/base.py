@@ -71,6 +71,10 @@ class DraftContext:
         handoff: set by such a drafter when it wrote its first layers' KV for every tree node
             into ``cache`` (a :class:`selfspec.target.LayerHandoff`); the verify pass resumes
             from it.
+        features: for drafters that declare ``taps``: ``[m, len(taps) * H]`` the target's taps of
+            the m committed positions ``len(tokens) - 1 - m .. len(tokens) - 2`` this drafter has
+            not been shown yet (every committed position is shown exactly once, in order; ``None``
+            when there is none).
     """
 
     tokens: torch.Tensor
@@ -80,6 +84,7 @@ class DraftContext:
     generator: torch.Generator
     cache: Any = None
     handoff: Any = None
+    features: torch.Tensor | None = None
 
     @property
     def root_token(self) -> int:
@@ -95,6 +100,9 @@ class Drafter(ABC):
     #: True when :meth:`propose` can run the target's own first layers in the target's cache and
     #: hand their outputs to the verify pass (``DraftContext.cache`` / ``handoff``).
     shares_target_cache: bool = False
+    #: Target hidden-state taps (transformers' ``hidden_states`` indices) that :meth:`propose` reads
+    #: from ``ctx.features``; the verify pass records them (:mod:`selfspec.taps`). Empty: none.
+    taps: tuple[int, ...] = ()
 
     def __init__(self, signature: TargetSignature | None = None):
         self.signature = signature

@@ -39,6 +39,7 @@ from ..sampling import target_probs
 from ..target import LayerHandoff
 from ..tree import DraftTree, Law, TreeBuilder
 from .base import DraftContext, Drafter, TargetSignature
+from .dynamic_tree import pick_slots
 from .residual import ResBlock
 
 ADAPTERS = ("none", "block")
@@ -187,7 +188,7 @@ class LayerSkipDrafter(Drafter):
             q_score = logits.float().softmax(-1)  # [m, V] confidence used to shape the tree
             top = q_score.topk(min(cfg.branch, q_score.shape[-1]), dim=-1)
             room = min(cfg.width, cfg.max_nodes + 1 - len(parents))
-            chosen = self._pick(torch.tensor([scores[a] for a in level]), top.values.cpu(), room)
+            chosen = pick_slots(torch.tensor([scores[a] for a in level]), top.values.cpu(), room, cfg.min_score)
             if not chosen:
                 break
             new_nodes = []
@@ -237,18 +238,6 @@ class LayerSkipDrafter(Drafter):
         h = self.body(input_ids=ids[None].to(self.masks.device), position_ids=pos[None].to(self.masks.device),
                       attention_mask=self.masks.build(visible, pos, torch.arange(start + m)), cache=cache)[0]
         return h[-1:]
-
-    def _pick(self, level_scores: torch.Tensor, top_probs: torch.Tensor, room: int) -> dict[int, list[int]]:
-        """EAGLE-2 selection: the ``room`` best candidates by path draft probability (parent score
-        ``level_scores [m]`` times candidate probability ``top_probs [m, branch]``), at least
-        ``min_score``; returns ``{level position: [candidate ranks]}``, both increasing."""
-        path = level_scores[:, None] * top_probs  # [m, branch]
-        best = path.flatten().topk(min(room, path.numel()))
-        chosen: dict[int, list[int]] = {}
-        for v, i in zip(best.values.tolist(), best.indices.tolist()):
-            if v >= self.cfg.min_score:
-                chosen.setdefault(i // path.shape[1], []).append(i % path.shape[1])
-        return {j: sorted(r) for j, r in sorted(chosen.items())}
 
     def _forward_nodes(self, builder: TreeBuilder, nodes: list[int], anc: torch.Tensor, depths: list[int],
                        prefix: int, cache) -> torch.Tensor:

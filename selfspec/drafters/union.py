@@ -30,6 +30,10 @@ class UnionDrafter(Drafter):
                    for m in members]
         self.members, self.max_nodes = members, max_nodes
         self.needs_hidden = any(m.needs_hidden for m in members)
+        taps = {m.taps for m in members if m.taps}
+        if len(taps) > 1:
+            raise ValueError(f"union members read different target taps {sorted(taps)}")
+        self.taps = taps.pop() if taps else ()
 
     def check_target(self, model) -> None:
         for m in self.members:

@@ -1,0 +1,287 @@
+"""EAGLE-3 drafter: an autoregressive one-layer head on fused low / middle / high target features.
+
+The head (:mod:`selfspec.drafters.eagle3_head`) keeps its own KV cache of *committed pairs*: pair t
+= (fused taps of position t, embedding of token t + 1), t = 0 .. P - 1 with P = len(tokens) - 1, so
+the last committed pair ends with the root and its output predicts the first draft level. The
+verify pass records the taps of the accepted path (:mod:`selfspec.taps`) and the engine hands them
+over in ``ctx.features``; each ``propose`` first runs those new pairs (one fused call, which also
+yields the first level), then one fused call per draft level, and finally drops the tree's keys
+from its cache: the cache then holds exactly the committed pairs computed from the target's own
+features, as a fresh recomputation would (tested), compacted to the accepted path.
+
+Trees (EAGLE-2, dynamic): at each level the ``branch`` most likely draft tokens of every frontier
+node become candidates scored by cumulative draft log-probability; the ``width`` best candidates
+form the next frontier (forwarded in one call). Point-mass trees (greedy, or ``sampled=False``)
+finally keep the ``max_nodes`` best candidates overall (a node's score never exceeds its
+parent's, so the kept set is a tree). With ``width = branch = 1`` this is a chain. At temperature
+> 0 (``sampled``) the tree shape is fixed level by level from the draft's confidence before any
+draw (the best ``width`` (parent, rank) slots within the node budget), and each chosen parent's
+children are drawn without replacement from q (the target's temperature / top-k / top-p applied to
+the draft logits over the full vocabulary; tokens outside the draft vocabulary have q = 0) and
+recorded as ``Law.WOR`` with q, so the number of draws never depends on the draws themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..sampling import target_probs
+from ..tree import DraftTree, Law, TreeBuilder
+from .base import DraftContext, Drafter, TargetSignature
+from .dynamic_tree import pick_slots
+from .eagle3_head import Eagle3Head, default_taps, draft_layer_config
+
+
+@dataclass
+class Eagle3Config:
+    """Head shape and tree policy.
+
+    Attributes:
+        taps: target taps fused by ``fc`` (transformers ``hidden_states`` indices); default the
+            inputs of layers 2, L // 2 and L - 3 (vLLM's and SGLang's default).
+        draft_vocab_size: V_d, size of the reduced draft vocabulary (<= the target's).
+        intermediate_size: MLP width of the draft layer (default: the target's).
+        max_depth: deepest draft level.
+        max_nodes: most draft nodes per step (root excluded).
+        width: frontier nodes forwarded per level (1 with ``branch = 1``: a chain).
+        branch: candidate tokens per frontier node.
+        min_score: candidates whose path draft probability is below this are dropped.
+        sampled: at temperature > 0, draw children from q (else point-mass top tokens).
+    """
+
+    taps: list[int] | None = None
+    draft_vocab_size: int = 8192
+    intermediate_size: int | None = None
+    max_depth: int = 6
+    max_nodes: int = 16
+    width: int = 4
+    branch: int = 4
+    min_score: float = 0.0
+    sampled: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("draft_vocab_size", "max_depth", "max_nodes", "width", "branch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.min_score < 1.0:
+            raise ValueError(f"min_score must be in [0, 1), got {self.min_score}")
+        if self.taps is not None and len(self.taps) != 3:
+            raise ValueError(f"EAGLE-3 fuses exactly 3 taps, got {self.taps}")
+
+
+class Eagle3Drafter(Drafter):
+    """Drafts dynamic trees with an :class:`Eagle3Head` (see the module docstring)."""
+
+    kind = "eagle3"
+
+    def __init__(self, model, cfg: Eagle3Config, head: Eagle3Head, signature: TargetSignature | None = None):
+        super().__init__(signature or TargetSignature.of(model))
+        self.model, self.cfg, self.head = model, cfg, head.eval()
+        self.embed = model.get_input_embeddings()
+        self.taps = tuple(cfg.taps)
+        self._draft_ids = head.draft_ids.to("cpu")
+        self.reset()
+
+    def reset(self) -> None:
+        self.k = self.v = None  # [kv_heads, P, d]: keys / values of the committed pairs
+        self.cached = 0
+        self._last = None  # [1, H] output of the last committed pair
+
+    def config_dict(self) -> dict:
+        return asdict(self.cfg)
+
+    def with_options(self, **options) -> "Eagle3Drafter":
+        """A drafter sharing this head with other tree options (the head's shape cannot change)."""
+        fixed = {"taps", "draft_vocab_size", "intermediate_size"} & set(options)
+        if fixed:
+            raise ValueError(f"cannot change {sorted(fixed)} of a trained eagle3 drafter")
+        unknown = set(options) - set(asdict(self.cfg))
+        if unknown:
+            raise ValueError(f"unknown eagle3 drafter options {sorted(unknown)}")
+        other = Eagle3Drafter(self.model, Eagle3Config(**(asdict(self.cfg) | options)), self.head, self.signature)
+        other.checkpoint_meta = getattr(self, "checkpoint_meta", None)
+        return other
+
+    # ------------------------------------------------------------------ drafting
+    @torch.no_grad()
+    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor | None:
+        """Run the new committed pairs; returns the last pair's ``[1, H]`` output (None if P = 0).
+
+        ``tokens``: ``[P + 1]`` all tokens; ``features``: ``[m, 3H]`` taps of positions P-m..P-1.
+        """
+        committed = tokens.shape[0] - 1
+        m = 0 if features is None else features.shape[0]
+        if self.cached + m != committed:
+            raise RuntimeError(f"eagle3 drafter holds {self.cached} pairs and got {m} new features, "
+                               f"but {committed} positions are committed (was a step not shown to it?)")
+        if m == 0:
+            return self._last
+        dev, dtype = self._device_dtype()
+        lo = self.cached
+        feats = self.head.fc(features.to(dev, dtype))
+        embeds = self.embed(tokens[lo + 1: committed + 1].to(dev)).to(dtype)
+        visible = torch.ones(m, lo + m, dtype=torch.bool)
+        visible[:, lo:] = torch.ones(m, m, dtype=torch.bool).tril()
+        out, k, v = self.head.step(embeds, feats, torch.arange(lo, committed, device=dev), self.k, self.v, visible)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
+        self.cached = committed
+        self._last = out[-1:]
+        return self._last
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        root_out = self.catch_up(ctx.tokens, ctx.features)
+        if root_out is None or ctx.max_depth < 1:
+            return DraftTree.root_only(ctx.root_token)
+        sampled = self.cfg.sampled and not ctx.sampling.greedy
+        try:
+            return self._sampled_tree(ctx, root_out) if sampled else self._greedy_tree(ctx, root_out)
+        finally:  # drop the tree's keys: the cache holds committed pairs only
+            self.k, self.v = self.k[:, : self.cached], self.v[:, : self.cached]
+
+    def _forward_level(self, tokens: list[int], feats: torch.Tensor, depth: int, anc_slots: list[list[int]]):
+        """One fused call over a frontier at ``depth`` (draft ids ``tokens``, parent outputs ``feats``
+        ``[f, H]``); ``anc_slots[i]``: cache slots (after the committed pairs) of node i's forwarded
+        ancestors. Appends the frontier's keys; returns its ``[f, H]`` outputs."""
+        dev, dtype = self._device_dtype()
+        f, base = len(tokens), self.k.shape[1]
+        ids = self._draft_ids[torch.tensor(tokens)]
+        visible = torch.zeros(f, base + f, dtype=torch.bool)
+        visible[:, : self.cached] = True
+        for i, slots in enumerate(anc_slots):
+            visible[i, [self.cached + s for s in slots]] = True
+            visible[i, base + i] = True
+        pos = torch.full((f,), self.cached - 1 + depth, device=dev)
+        out, k, v = self.head.step(self.embed(ids.to(dev)).to(dtype), feats, pos, self.k, self.v, visible)
+        self.k, self.v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
+        return out
+
+    def _greedy_tree(self, ctx: DraftContext, root_out: torch.Tensor) -> DraftTree:
+        """EAGLE-2 with point-mass children: expand the best ``width`` candidates per level, keep
+        the ``max_nodes`` best candidates overall by cumulative draft log-probability."""
+        cfg = self.cfg
+        cap = min(cfg.max_depth, ctx.max_depth)
+        min_lp = float(torch.tensor(cfg.min_score).log()) if cfg.min_score > 0 else -float("inf")
+        parent, token, score = [-1], [-1], [0.0]  # candidates; 0 is the root; token = draft id
+        anc = {0: []}  # forwarded candidate -> cache slots of its forwarded ancestors and itself
+        frontier, outs = [0], root_out
+        for depth in range(1, cap + 1):
+            logp = self.head.logits(outs).float().log_softmax(-1)  # [f, V_d]
+            top = logp.topk(min(cfg.branch, logp.shape[-1]), dim=-1)
+            cand = torch.tensor([score[c] for c in frontier])[:, None] + top.values.cpu()  # [f, b]
+            first, row_of = len(parent), {}
+            for i, c in enumerate(frontier):
+                for r in range(cand.shape[1]):
+                    if float(cand[i, r]) >= min_lp:
+                        row_of[len(parent)] = i
+                        parent.append(c)
+                        token.append(int(top.indices[i, r]))
+                        score.append(float(cand[i, r]))
+            if depth == cap or len(parent) == first:
+                break
+            nxt = sorted(sorted(range(first, len(parent)), key=lambda c: -score[c])[: cfg.width])
+            base = self.k.shape[1] - self.cached
+            for i, c in enumerate(nxt):
+                anc[c] = anc[parent[c]] + [base + i]
+            outs = self._forward_level([token[c] for c in nxt], outs[[row_of[c] for c in nxt]], depth,
+                                       [anc[c][:-1] for c in nxt])
+            frontier = nxt
+        keep = sorted(sorted(range(1, len(parent)), key=lambda c: (-score[c], c))[: cfg.max_nodes])
+        builder, node = TreeBuilder(ctx.root_token), {0: 0}
+        ids = self._draft_ids[torch.tensor(token[1:] or [0])].tolist()
+        for c in keep:
+            node[c] = builder.add(node[parent[c]], ids[c - 1])
+        return builder.build()
+
+    def _sampled_tree(self, ctx: DraftContext, root_out: torch.Tensor) -> DraftTree:
+        """Children drawn without replacement from q; the shape is fixed from q before any draw."""
+        cfg = self.cfg
+        cap = min(cfg.max_depth, ctx.max_depth)
+        vocab = self.signature.vocab_size
+        builder = TreeBuilder(ctx.root_token)
+        level, scores, anc, par, outs = [0], {0: 1.0}, {0: []}, {}, root_out
+        for depth in range(1, cap + 1):
+            logits = self.head.logits(outs).float()  # [f, V_d]
+            conf = logits.softmax(-1)
+            top = conf.topk(min(cfg.branch, conf.shape[-1]), dim=-1)
+            room = min(cfg.width, cfg.max_nodes + 1 - len(builder))
+            chosen = pick_slots(torch.tensor([scores[n] for n in level]), top.values.cpu(), room, cfg.min_score)
+            if not chosen:
+                break
+            new, rows, draft_tokens = [], [], []
+            for j, ranks in chosen.items():
+                full = torch.full((vocab,), -float("inf"), dtype=logits.dtype)
+                full[self._draft_ids] = logits[j].cpu()
+                q = target_probs(full, ctx.sampling)
+                builder.set_draft_probs(level[j], q)
+                count = min(len(ranks), int((q > 0).sum()))
+                for t in torch.multinomial(q, count, replacement=False, generator=ctx.generator).tolist():
+                    d = int(self._t2d_index[t])
+                    node = builder.add(level[j], t, Law.WOR)
+                    par[node] = level[j]
+                    scores[node] = scores[level[j]] * float(conf[j, d])
+                    new.append(node)
+                    rows.append(j)
+                    draft_tokens.append(d)
+            if depth == cap or len(builder) > cfg.max_nodes:
+                break
+            base = self.k.shape[1] - self.cached
+            for i, n in enumerate(new):
+                anc[n] = anc[par[n]] + [base + i]
+            outs = self._forward_level(draft_tokens, outs[rows], depth, [anc[n][:-1] for n in new])
+            level = new
+        return builder.build()
+
+    @property
+    def _t2d_index(self) -> torch.Tensor:
+        """``[V]`` draft id of each target id (-1 outside the draft vocabulary)."""
+        index = self.__dict__.get("_t2d_cache")
+        if index is None:
+            index = torch.full((self.signature.vocab_size,), -1, dtype=torch.long)
+            index[self._draft_ids] = torch.arange(self._draft_ids.shape[0])
+            self.__dict__["_t2d_cache"] = index
+        return index
+
+    def _device_dtype(self):
+        p = self.head.fc.weight
+        return p.device, p.dtype
+
+
+def build_eagle3(model, **options) -> Eagle3Drafter:
+    """``build_drafter(model, "eagle3", ...)``: an untrained head whose draft vocabulary is the first
+    ``draft_vocab_size`` token ids (training picks the most frequent ones)."""
+    cfg = Eagle3Config(**options)
+    text = model.config.get_text_config(decoder=True)
+    layers, vocab = int(text.num_hidden_layers), int(text.vocab_size)
+    cfg.taps = list(cfg.taps) if cfg.taps is not None else default_taps(layers)
+    if not all(0 <= k <= layers for k in cfg.taps):
+        raise ValueError(f"taps {cfg.taps} outside [0, {layers}] for a target with {layers} layers")
+    if cfg.draft_vocab_size > vocab:
+        raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} exceeds the target's vocabulary ({vocab})")
+    head = Eagle3Head(draft_layer_config(model, cfg.intermediate_size), cfg.draft_vocab_size)
+    head.set_vocab(torch.arange(cfg.draft_vocab_size))
+    param = next(model.parameters())
+    return Eagle3Drafter(model, cfg, head.to(param.device, param.dtype))
+
+
+def eagle3_weights(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    """The head's tensors under the ``eagle3.`` prefix (d2t / t2d included)."""
+    return {f"eagle3.{k}": v for k, v in drafter.head.state_dict().items()}
+
+
+def eagle3_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor]) -> Eagle3Drafter:
+    """Rebuild the drafter from a checkpoint already checked against ``model``."""
+    from ..checkpoint import adapter_state  # checkpoint imports the drafters package
+
+    try:
+        cfg = Eagle3Config(**meta["config"])
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"eagle3 checkpoint config is invalid: {err}") from None
+    drafter = build_eagle3(model, **asdict(cfg))
+    state = adapter_state(weights, "eagle3.", drafter.head.state_dict())
+    drafter.head.load_state_dict({k: v.to(drafter.head.state_dict()[k].dtype) for k, v in state.items()})
+    drafter._draft_ids = drafter.head.draft_ids.to("cpu")
+    return drafter

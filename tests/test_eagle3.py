@@ -1,0 +1,258 @@
+"""EAGLE-3 drafter: taps, training-time test = inference, draft KV compaction, greedy identity,
+distribution equality with sampled children (and a negative control), checkpoints, training and
+resume, export round trip."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import selfspec
+import selfspec.verify as verify_mod
+from selfspec.checkpoint import CheckpointError
+from selfspec.drafters import Eagle3Config, build_drafter, load_drafter, save_drafter
+from selfspec.sampling import SamplingConfig, target_probs
+from selfspec.taps import capture_taps
+from selfspec.target import TreeTarget
+from test_distribution import _stale_bonus, chi_square_ok
+from tiny_models import FAMILIES, tiny_model
+
+PROMPT = torch.tensor([[3, 9, 27, 3, 9, 27, 3, 9, 5, 11]])
+
+
+def _randomise(drafter, seed=0, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * scale)
+    return drafter
+
+
+def _trained(model, tmp_path, steps=60, **eagle3):
+    """A head trained for a few steps on the model's own greedy continuations (so drafts are
+    often right), through the real recipe."""
+    from training.eagle3_recipe import Eagle3Recipe, Eagle3TrainConfig
+    from training.heads_recipe import OptimConfig, RunConfig
+
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    examples = []
+    prompts = [torch.randint(0, vocab, (6,), generator=g) for _ in range(12)] + [PROMPT[0]] * 12
+    for prompt in prompts:
+        out = model.generate(prompt[None], max_new_tokens=40, do_sample=False, pad_token_id=0)[0]
+        examples.append(dict(prompt_ids=prompt.tolist(), response_ids=out[len(prompt):].tolist(), source="t"))
+    cfg = Eagle3TrainConfig(
+        target="tiny", dataset="", eagle3=Eagle3Config(**(dict(draft_vocab_size=min(48, vocab)) | eagle3)), ttt_steps=3,
+        eval_fraction=0.1, tokens_per_batch=200,
+        optim=OptimConfig(lr=3e-3, warmup_steps=5, epochs=1.0, batch_size=0),
+        run=RunConfig(out_dir=str(tmp_path / "run"), wandb_mode="disabled", log_every=5, eval_every=1000,
+                      ckpt_every=1000))
+    cfg.optim.epochs = steps / max(1, len(Eagle3Recipe(cfg)._bucket(examples)))
+    recipe = Eagle3Recipe(cfg, model=model, tokenizer=None, examples=examples)
+    recipe.setup()
+    recipe.train()
+    drafter = recipe.drafter
+    drafter.head.to(torch.float64).eval()
+    return drafter, recipe
+
+
+# ---------------------------------------------------------------- taps and the head's two forms
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_taps_are_transformers_hidden_states(family):
+    model = tiny_model(family, layers=4)
+    with capture_taps(model, [0, 2, 3]) as rec:
+        out = model(PROMPT, output_hidden_states=True)
+    want = torch.cat([out.hidden_states[k] for k in (0, 2, 3)], dim=-1)
+    torch.testing.assert_close(rec.get(), want)
+
+
+def test_training_time_test_equals_inference_chain():
+    """Unrolled step j of the training forward at chain t equals the inference path that catches up
+    on positions 0..t and drafts a chain of the true tokens."""
+    model = tiny_model("llama", layers=5)
+    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64))
+    seq = PROMPT[0]
+    with capture_taps(model, drafter.taps) as rec:
+        model(seq[None])
+    taps = rec.get()
+    embeds = model.get_input_embeddings()(seq[None])
+    outs = drafter.head.ttt_forward(taps, embeds, 3)
+    for t in (3, 5):
+        drafter.reset()
+        last = drafter.catch_up(seq[: t + 2], taps[0, : t + 1])  # pairs 0..t
+        torch.testing.assert_close(last[0], outs[0][0, t])
+        o, slots = last, []
+        for j in (1, 2):
+            o = drafter._forward_level([int(seq[t + j + 1])], o, j, [slots])
+            slots = slots + [j - 1]
+            torch.testing.assert_close(o[0], outs[j][0, t])
+
+
+def test_draft_cache_after_compaction_equals_a_fresh_recomputation():
+    model = tiny_model("llama", layers=5)
+    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6), scale=0.5)
+    out = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=20, adaptive=False, eos_token_id=[])
+    seq = out.sequences[0]
+    fresh = build_drafter(model, "eagle3", draft_vocab_size=64)
+    fresh.head.load_state_dict(drafter.head.state_dict())
+    target = TreeTarget(model, taps=fresh.taps)
+    committed = drafter.cached
+    feats = target.prefill(seq[: committed + 1]).taps
+    fresh.catch_up(seq[: committed + 1], feats)
+    torch.testing.assert_close(drafter.k, fresh.k)
+    torch.testing.assert_close(drafter.v, fresh.v)
+
+
+# ---------------------------------------------------------------- greedy identity
+@pytest.fixture(scope="module")
+def trained_llama(tmp_path_factory):
+    model = tiny_model("llama", layers=5)
+    drafter, _ = _trained(model, tmp_path_factory.mktemp("e3"))
+    return model, drafter
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain", "tree_min_score"])
+def test_greedy_identity_with_a_trained_head(trained_llama, mode):
+    model, drafter = trained_llama
+    opts = {"tree": {}, "chain": dict(width=1, branch=1), "tree_min_score": dict(min_score=0.05)}[mode]
+    d = drafter.with_options(**opts)
+    reference = model.generate(PROMPT, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    out = selfspec.generate(model, PROMPT, drafter=d, max_new_tokens=40, adaptive=False)
+    assert torch.equal(out.sequences, reference)
+    if mode != "tree_min_score":  # an unsure head may draft nothing above the floor
+        assert out.stats.mean_accepted_length > 1.5  # the drafts were really verified and often right
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity_every_family(family):
+    """A random head with a peaked draft law: drafts are sometimes right by chance (small vocab)."""
+    model = tiny_model(family, vocab=16)
+    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=12), scale=0.4)
+    reference = model.generate(PROMPT % 16, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    out = selfspec.generate(model, PROMPT % 16, drafter=drafter, max_new_tokens=30, adaptive=False)
+    assert torch.equal(out.sequences, reference)
+    assert sum(out.stats.accepted_per_depth) > 0
+
+
+def test_union_with_ngram_keeps_identity(trained_llama):
+    model, drafter = trained_llama
+    union = selfspec.build_drafter(model, "union", members=[drafter, build_drafter(model, "ngram", min_ngram=1)])
+    reference = model.generate(PROMPT, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=30)
+    assert torch.equal(out.sequences, reference)
+
+
+# ---------------------------------------------------------------- distribution equality
+VOCAB, NEW, SAMPLES = 6, 3, 6000
+DIST_PROMPT = [1, 2, 3]
+
+
+def _peaked_model():
+    model = tiny_model("llama", vocab=VOCAB, layers=4, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6)
+    return model
+
+
+def _exact_law(model, cfg):
+    law = {}
+    for seq in itertools.product(range(VOCAB), repeat=NEW):
+        ids = torch.tensor([DIST_PROMPT + list(seq)])
+        with torch.no_grad():
+            probs = target_probs(model(ids).logits[0], cfg)
+        p = 1.0
+        for i, tok in enumerate(seq):
+            p *= float(probs[len(DIST_PROMPT) - 1 + i, tok])
+        if p > 0:
+            law[seq] = p
+    return law
+
+
+def _counts(model, cfg, drafter):
+    gen = torch.Generator().manual_seed(0)
+    counts, tested, accepted = {}, 0, 0
+    for _ in range(SAMPLES):
+        out = selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=drafter, max_new_tokens=NEW,
+                                temperature=cfg.temperature, top_k=cfg.top_k, generator=gen, eos_token_id=[],
+                                adaptive=False)
+        key = tuple(out.sequences[0, len(DIST_PROMPT):].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        tested += sum(out.stats.tested_per_depth)
+        accepted += sum(out.stats.accepted_per_depth)
+    assert 0 < accepted < tested  # both acceptances and rejections happened
+    return counts
+
+
+def _sampling_drafter(model):
+    """Draft vocabulary of 5 of the 6 tokens: one token always has q = 0."""
+    d = build_drafter(model, "eagle3", draft_vocab_size=5, width=3, branch=2, max_depth=2, max_nodes=6)
+    return _randomise(d, seed=2, scale=0.5)
+
+
+def test_sampled_children_keep_the_target_law():
+    model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
+    ok, msg = chi_square_ok(_exact_law(model, cfg), _counts(model, cfg, _sampling_drafter(model)), n=SAMPLES)
+    assert ok, msg
+
+
+def test_negative_control_fails_in_the_same_harness(monkeypatch):
+    """A stale bonus token (drawn from the parent's law) must fail the same test."""
+    monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
+    model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
+    ok, msg = chi_square_ok(_exact_law(model, cfg), _counts(model, cfg, _sampling_drafter(model)), n=SAMPLES)
+    assert not ok, f"the lossy rule passed ({msg}): the harness is vacuous"
+
+
+# ---------------------------------------------------------------- checkpoints, training, options
+def test_checkpoint_round_trip_and_foreign_targets(tmp_path):
+    model = tiny_model("llama", layers=5)
+    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32))
+    drafter.head.set_vocab(torch.arange(0, 64, 2))
+    save_drafter(drafter, tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d", model)
+    for k, v in drafter.head.state_dict().items():
+        assert torch.equal(loaded.head.state_dict()[k], v), k
+    assert torch.equal(loaded._draft_ids, torch.arange(0, 64, 2))
+    other = tiny_model("llama", layers=5, seed=9)
+    with pytest.raises(CheckpointError, match="another target"):
+        load_drafter(tmp_path / "d", other)
+    with pytest.raises(CheckpointError):
+        load_drafter(tmp_path / "d", tiny_model("qwen3"))
+
+
+def test_bad_options_are_refused():
+    model = tiny_model("llama", layers=5)
+    with pytest.raises(ValueError, match="unknown eagle3"):
+        build_drafter(model, "eagle3", depth=3)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        build_drafter(model, "eagle3", draft_vocab_size=10**6)
+    with pytest.raises(ValueError, match="taps"):
+        build_drafter(model, "eagle3", taps=[1, 2, 99])
+    with pytest.raises(ValueError, match="cannot change"):
+        build_drafter(model, "eagle3").with_options(draft_vocab_size=8)
+
+
+def test_training_learns_and_resumes_exactly(tmp_path):
+    model = tiny_model("llama", layers=5)
+    full, recipe = _trained(model, tmp_path / "a", steps=12)
+    ev = recipe.history
+    assert any("train/loss" in r for r in ev)
+    first = [r["train/loss"] for r in ev if "train/loss" in r]
+    assert first[-1] < first[0]
+    # interrupted at step 6, checkpointed, resumed in a new recipe: identical weights at the end
+    from training.eagle3_recipe import Eagle3Recipe
+
+    part = Eagle3Recipe(recipe.cfg, model=model, examples=recipe.examples)
+    part.cfg.run.out_dir = str(tmp_path / "b")
+    part.out = tmp_path / "b"
+    part.setup()
+    part.train(stop_at=6)
+    part.save_checkpoint()
+    again = Eagle3Recipe(part.cfg, model=model, examples=recipe.examples)
+    again.setup(resume=True)
+    assert again.step == 6
+    again.train()
+    for k, v in full.head.state_dict().items():
+        torch.testing.assert_close(again.drafter.head.state_dict()[k].to(v.dtype), v, msg=k)

@@ -1,0 +1,392 @@
+"""Recipe: train an EAGLE-3 draft head on a frozen target from self-distilled conversations.
+
+setup (target, data split, draft vocabulary, head, optimizer, accelerate, wandb, resume) -> train
+(online target features, training-time test, seeded and resumable, logged, checkpointed) -> export
+(held-out acceptance per unrolled step, drafter checkpoint, curves plot) -> cleanup.
+
+Online features: every batch runs the frozen target once under ``torch.no_grad`` (in
+``target_dtype``), recording its taps (:mod:`selfspec.taps`) and its next-token law; nothing is
+cached on disk, so the data may grow to millions of tokens.
+
+Loss: at unrolled step j (0-based) and chain t the head predicts token t + j + 2; the loss is the
+soft cross-entropy ``-sum_v p(v) log q_j(v)`` over the draft vocabulary, with p the target's law at
+position t + j + 1 (restricted to the draft vocabulary, not renormalised: mass outside it is
+unreachable), weighted ``step_decay ** j``. Only positions whose next token the target wrote
+(the response) count. Held-out metrics per step: top-1 agreement with the target's argmax
+(greedy acceptance of a chain, teacher-forced) and ``sum_v min(p, q)`` (acceptance at T = 1).
+
+Draft vocabulary: the ``draft_vocab_size`` most frequent tokens of the target's own responses in
+the training split (coverage of several sizes is recorded in the summary).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import selfspec
+from selfspec.checkpoint import atomic_dir, atomic_write_text
+from selfspec.drafters import save_drafter
+from selfspec.drafters.eagle3 import Eagle3Config
+from selfspec.lm_head import lm_logits
+from selfspec.taps import capture_taps
+
+from .config import dump_config
+from .heads_recipe import OptimConfig, RunConfig
+from .state import read_train_state, write_train_state
+
+COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass
+class Eagle3TrainConfig:
+    """``scripts/train_heads.py`` config for ``kind: eagle3`` (YAML copies live in configs/).
+
+    Attributes:
+        recipe: always ``train_heads``.
+        kind: always ``eagle3``.
+        target: target alias or path.
+        dataset: a distillation output folder (``shards/*.jsonl``, possibly partial) or a
+            ``datasets`` folder, as written by ``scripts/distill_data.py``.
+        eagle3: head shape and tree policy of the exported drafter.
+        ttt_steps: K >= 1 unrolled steps of the training-time test.
+        step_decay: loss weight of step j is ``step_decay ** j``.
+        eval_fraction: share of examples held out for evaluation.
+        max_eval_examples: cap on held-out examples evaluated.
+        max_len: longest example (tokens) used; longer ones are cut.
+        tokens_per_batch: padded tokens per training batch (examples are bucketed by length).
+        target_dtype: dtype of the frozen target's feature pass (``float32`` / ``bfloat16``).
+        export: where the final drafter checkpoint is written (``null`` to skip).
+    """
+
+    recipe: str = "train_heads"
+    kind: str = "eagle3"
+    target: str = selfspec.DEFAULT_TARGET
+    dataset: str = "runs/distill/smollm2-chat"
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
+    ttt_steps: int = 3
+    step_decay: float = 0.8
+    eval_fraction: float = 0.03
+    max_eval_examples: int = 96
+    max_len: int = 768
+    tokens_per_batch: int = 4096
+    target_dtype: str = "float32"
+    export: str | None = None
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20, epochs=1.0, batch_size=0))
+    run: RunConfig = field(default_factory=lambda: RunConfig(out_dir="runs/eagle3-smollm2"))
+
+    def __post_init__(self) -> None:
+        if self.recipe != "train_heads" or self.kind != "eagle3":
+            raise ValueError("Eagle3TrainConfig is for recipe 'train_heads' with kind 'eagle3'")
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.target_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"target_dtype must be float32, bfloat16 or float16, got {self.target_dtype!r}")
+        if self.run.wandb_mode not in ("offline", "disabled", "online"):
+            raise ValueError(f"run.wandb_mode must be offline, disabled or online, got {self.run.wandb_mode!r}")
+
+
+def load_distilled(path: str | Path) -> list[dict]:
+    """Examples ``{prompt_ids, response_ids, source, ...}`` of a distillation folder (its shards,
+    finished ones only, so a run still in progress can be read) or of a ``datasets`` folder."""
+    path = Path(path)
+    shards = sorted((path / "shards").glob("*.jsonl")) if (path / "shards").is_dir() else []
+    if shards:
+        return [json.loads(line) for s in shards for line in s.read_text(encoding="utf-8").splitlines() if line]
+    if path.is_dir():
+        from datasets import load_from_disk
+
+        return list(load_from_disk(str(path)))
+    raise FileNotFoundError(f"no distilled data at {str(path)!r}: run scripts/distill_data.py first")
+
+
+def draft_vocabulary(examples: list[dict], size: int, vocab: int) -> tuple[torch.Tensor, dict]:
+    """The ``size`` most frequent response tokens (increasing ids) and the token coverage of the
+    top-n tokens for several n."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for ex in examples:
+        counts += torch.bincount(torch.tensor(ex["response_ids"], dtype=torch.long), minlength=vocab)[:vocab]
+    order = counts.argsort(descending=True, stable=True)
+    total = max(1, int(counts.sum()))
+    coverage = {n: round(float(counts[order[:n]].sum()) / total, 5) for n in COVERAGE_SIZES + (size,) if n <= vocab}
+    return order[:size].sort().values, coverage
+
+
+class Eagle3Recipe:
+    """One training run. Use :func:`run`, or call the stages yourself."""
+
+    def __init__(self, cfg: Eagle3TrainConfig, *, model=None, tokenizer=None, examples=None):
+        self.cfg, self.model, self.tokenizer, self.examples = cfg, model, tokenizer, examples
+        self.out = Path(cfg.run.out_dir)
+        self.step, self.history = 0, []
+
+    # ---------------------------------------------------------------- setup
+    def setup(self, resume: bool = False) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        set_seed(cfg.run.seed)
+        self.acc = Accelerator(mixed_precision=cfg.run.mixed_precision, log_with="wandb")
+        if self.model is None:
+            self.model, self.tokenizer = selfspec.load_target(cfg.target, device=str(self.acc.device),
+                                                              dtype=getattr(torch, cfg.target_dtype))
+        self.model.requires_grad_(False).eval()
+        if self.examples is None:
+            self.examples = load_distilled(cfg.dataset)
+        examples = [ex for ex in self.examples if ex["response_ids"] and ex["prompt_ids"]]
+        g = torch.Generator().manual_seed(cfg.run.seed)
+        order = torch.randperm(len(examples), generator=g).tolist()
+        n_eval = max(1, int(len(examples) * cfg.eval_fraction))
+        self.eval_set = [examples[i] for i in order[:n_eval]][: cfg.max_eval_examples]
+        self.train_set = [examples[i] for i in order[n_eval:]]
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        draft_ids, self.coverage = draft_vocabulary(self.train_set, cfg.eagle3.draft_vocab_size, vocab)
+        self.drafter = selfspec.build_drafter(self.model, "eagle3", **asdict(cfg.eagle3))
+        self.head = self.drafter.head.float()
+        self.head.set_vocab(draft_ids)
+        self._init_from_target()
+        self.drafter._draft_ids = self.head.draft_ids.cpu()
+        self.batches = self._bucket(self.train_set)
+        self.total_steps = max(1, math.ceil(cfg.optim.epochs * len(self.batches)))
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        self.head.train()
+        self.head, self.optimizer = self.acc.prepare(self.head, self.optimizer)
+        if resume:
+            if not (self.out / "checkpoint").exists():
+                raise FileNotFoundError(f"--resume: no checkpoint in {self.out}; drop --resume to start a new run")
+            self._resume()
+        atomic_write_text(self.out / "config.yaml", dump_config(cfg))
+        self.acc.init_trackers(cfg.run.wandb_project, config=asdict(cfg),
+                               init_kwargs={"wandb": {"mode": cfg.run.wandb_mode, "dir": str(self.out)}})
+
+    @torch.no_grad()
+    def _init_from_target(self) -> None:
+        """LM head rows and final norm from the target (a head that starts out as a useful guess)."""
+        head = self.head
+        target_head = self.model.get_output_embeddings().weight
+        head.lm_head.weight.copy_(target_head[head.draft_ids.to(target_head.device)].float())
+        norm = getattr(self.model.get_decoder(), "norm", None)
+        if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == head.norm.weight.shape:
+            head.norm.weight.copy_(norm.weight.float())
+
+    def _bucket(self, examples: list[dict]) -> list[list[int]]:
+        """Example indices grouped by length into batches of at most ``tokens_per_batch`` padded
+        tokens (a fixed list: the data order is a pure function of seed and step)."""
+        lengths = [min(len(e["prompt_ids"]) + len(e["response_ids"]), self.cfg.max_len) for e in examples]
+        order = sorted(range(len(examples)), key=lambda i: lengths[i])
+        batches, cur = [], []
+        for i in order:
+            if cur and (len(cur) + 1) * lengths[i] > self.cfg.tokens_per_batch:
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def _batch_at(self, step: int) -> list[int]:
+        n = len(self.batches)
+        epoch, i = divmod(step, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.run.seed * 7919 + epoch))
+        return self.batches[int(perm[i])]
+
+    # ---------------------------------------------------------------- features and loss
+    def _collate(self, examples: list[dict]):
+        cut = [(e["prompt_ids"] + e["response_ids"])[: self.cfg.max_len] for e in examples]
+        width = max(len(c) for c in cut)
+        ids = torch.zeros(len(cut), width, dtype=torch.long)
+        for b, c in enumerate(cut):
+            ids[b, : len(c)] = torch.tensor(c)
+        lengths = torch.tensor([len(c) for c in cut])
+        prompts = torch.tensor([len(e["prompt_ids"]) for e in examples])
+        return ids, lengths, prompts
+
+    @torch.no_grad()
+    def _target(self, ids: torch.Tensor):
+        """Right-padded ``ids [B, T]`` -> taps ``[B, T, 3H]``, the target's log-law over the draft
+        vocabulary ``[B, T, V_d]`` and its argmax over the full vocabulary ``[B, T]``."""
+        device = self.acc.device
+        head = self.acc.unwrap_model(self.head)
+        with capture_taps(self.model, self.drafter.taps) as record:
+            last = self.model.get_decoder()(input_ids=ids.to(device)).last_hidden_state
+        logits = lm_logits(self.model, last).float()  # [B, T, V]
+        lse = logits.logsumexp(-1, keepdim=True)
+        logp = logits.index_select(-1, head.draft_ids) - lse
+        return record.get().float(), logp, logits.argmax(-1)
+
+    def _losses(self, examples: list[dict]):
+        """Per-step loss, top-1 agreement and T=1 acceptance (sums and counts) for one batch."""
+        ids, lengths, prompts = self._collate(examples)
+        taps, logp, argmax = self._target(ids)
+        head = self.acc.unwrap_model(self.head)
+        dtype = head.fc.weight.dtype
+        taps = taps.to(dtype)
+        with torch.no_grad():
+            embeds = self.model.get_input_embeddings()(ids.to(self.acc.device)).to(dtype)
+        step_logits = self.head(taps, embeds, self.cfg.ttt_steps)  # through the prepared module
+        t = torch.arange(ids.shape[1])[None]
+        losses, stats = [], []
+        for j, logits in enumerate(step_logits):
+            src = t + j + 1  # position whose law step j learns
+            valid = ((src < lengths[:, None]) & (src >= prompts[:, None] - 1)).to(self.acc.device)
+            idx = src.clamp_max(ids.shape[1] - 1).to(self.acc.device)
+            p = logp.gather(1, idx[..., None].expand(-1, -1, logp.shape[-1])).exp()  # [B, T, V_d]
+            logq = logits.float().log_softmax(-1)
+            per = -(p * logq).sum(-1)
+            n = valid.sum().clamp_min(1)
+            losses.append((per * valid).sum() / n)
+            with torch.no_grad():
+                agree = head.draft_ids[logq.argmax(-1)] == argmax.gather(1, idx)
+                accept = torch.minimum(p, logq.exp()).sum(-1)
+                stats.append((float((agree & valid).sum()), float((accept * valid).sum()), float(valid.sum())))
+        weights = self.cfg.step_decay ** torch.arange(len(losses), dtype=torch.float32)
+        total = sum(w * l for w, l in zip(weights.tolist(), losses)) / float(weights.sum())
+        return total, [float(l.detach()) for l in losses], stats
+
+    # ---------------------------------------------------------------- train
+    def _lr(self, step: int) -> float:
+        o = self.cfg.optim
+        if step < o.warmup_steps:
+            return o.lr * (step + 1) / o.warmup_steps
+        progress = (step - o.warmup_steps) / max(1, self.total_steps - o.warmup_steps)
+        return o.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+    def train(self, stop_at: int | None = None) -> None:
+        """Train to the end (or up to step ``stop_at``, as if the run were interrupted there)."""
+        cfg = self.cfg
+        end = min(self.total_steps, stop_at or self.total_steps)
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train eagle3", unit="step")
+        started, tokens = time.time(), 0
+        while self.step < end:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._lr(self.step)
+            batch = [self.train_set[i] for i in self._batch_at(self.step)]
+            with self.acc.autocast():
+                loss, per_step, stats = self._losses(batch)
+            self.acc.backward(loss)
+            if cfg.optim.grad_clip:
+                self.acc.clip_grad_norm_(self.head.parameters(), cfg.optim.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            tokens += sum(len(e["prompt_ids"]) + len(e["response_ids"]) for e in batch)
+            bar.update(1)
+            if self.step % cfg.run.log_every == 0 or self.step == self.total_steps:
+                row = {"train/loss": float(loss.detach()), "lr": self._lr(self.step - 1), "step": self.step,
+                       "train/tokens_per_s": tokens / max(time.time() - started, 1e-9)}
+                row |= {f"train/loss_step{j}": v for j, v in enumerate(per_step)}
+                row |= {f"train/top1_step{j}": a / max(n, 1) for j, (a, _, n) in enumerate(stats)}
+                self._log(row)
+                bar.set_postfix(loss=f"{row['train/loss']:.3f}", top1=f"{row['train/top1_step0']:.2f}",
+                                tok_s=f"{row['train/tokens_per_s']:.0f}")
+            if self.step % cfg.run.eval_every == 0 or self.step == self.total_steps:
+                self._log(self.evaluate() | {"step": self.step})
+            if self.step % cfg.run.ckpt_every == 0 or self.step == self.total_steps:
+                self.save_checkpoint(wall=time.time() - started)
+        bar.close()
+
+    def _log(self, row: dict) -> None:
+        self.history.append(row)
+        self.acc.log({k: v for k, v in row.items() if not isinstance(v, (list, dict))}, step=row["step"])
+
+    # ---------------------------------------------------------------- eval
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out loss, top-1 agreement and T=1 acceptance per unrolled step, and the expected
+        mean accepted length of a greedy chain of ``ttt_steps`` (teacher-forced agreement)."""
+        head = self.acc.unwrap_model(self.head)
+        head.eval()
+        K = self.cfg.ttt_steps
+        agree, accept, count, loss = [0.0] * K, [0.0] * K, [0.0] * K, [0.0] * K
+        for s in range(0, len(self.eval_set), 8):
+            _, per_step, stats = self._losses(self.eval_set[s: s + 8])
+            for j, (a, c, n) in enumerate(stats):
+                agree[j], accept[j], count[j] = agree[j] + a, accept[j] + c, count[j] + n
+                loss[j] += per_step[j] * n
+        head.train()
+        top1 = [a / max(n, 1) for a, n in zip(agree, count)]
+        out = {"eval/loss": sum(loss) / max(sum(count), 1), "eval/top1_per_step": top1,
+               "eval/accept_t1_per_step": [a / max(n, 1) for a, n in zip(accept, count)]}
+        prod, mat = 1.0, 1.0
+        for a in top1:
+            prod *= a
+            mat += prod
+        out["eval/expected_mat_chain"] = mat
+        out |= {f"eval/top1_step{j}": a for j, a in enumerate(top1)}
+        out |= {f"eval/accept_t1_step{j}": a for j, a in enumerate(out["eval/accept_t1_per_step"])}
+        return out
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, wall: float = 0.0) -> None:
+        """Atomically replace ``<out>/checkpoint`` (drafter + optimizer + step)."""
+        with atomic_dir(self.out / "checkpoint") as tmp:
+            save_drafter(self.drafter, tmp / "drafter", tokenizer=self.tokenizer)
+            write_train_state(tmp, self.optimizer, self.step, {"wall_time_s": wall, "history": self.history})
+
+    def _resume(self) -> None:
+        folder = self.out / "checkpoint"
+        loaded = selfspec.load_drafter(folder / "drafter", self.model)
+        if not torch.equal(loaded.head.d2t.cpu(), self.acc.unwrap_model(self.head).d2t.cpu()):
+            raise ValueError(f"{folder} was trained with another draft vocabulary (other data?); refusing to resume")
+        self.acc.unwrap_model(self.head).load_state_dict(loaded.head.float().state_dict())
+        info = read_train_state(folder, self.optimizer)
+        self.step, self.history = int(info["step"]), list(info.get("history", []))
+        print(f"resumed from {folder} at step {self.step}")
+
+    # ---------------------------------------------------------------- export
+    def export(self) -> dict:
+        metrics = self.evaluate()
+        summary = {"steps": self.step, "train_examples": len(self.train_set), "eval_examples": len(self.eval_set),
+                   "train_response_tokens": sum(len(e["response_ids"]) for e in self.train_set),
+                   "draft_vocab_coverage": self.coverage, "metrics": metrics}
+        atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1))
+        self._plot()
+        if self.cfg.export:
+            extra = {"training": asdict(self.cfg), "eval": metrics, "steps": self.step,
+                     "draft_vocab_coverage": self.coverage, "train_response_tokens": summary["train_response_tokens"]}
+            save_drafter(self.drafter, self.cfg.export, tokenizer=self.tokenizer, extra=extra)
+        return summary
+
+    def _plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        K = self.cfg.ttt_steps
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        train = [r for r in self.history if "train/loss" in r]
+        for j in range(K):
+            a.plot([r["step"] for r in train], [r[f"train/loss_step{j}"] for r in train], label=f"step {j}")
+        a.set(xlabel="optimizer step", ylabel="train loss (soft CE)", title="loss per unrolled step")
+        a.legend()
+        evals = [r for r in self.history if "eval/loss" in r]
+        for j in range(K):
+            b.plot([r["step"] for r in evals], [r[f"eval/top1_step{j}"] for r in evals], marker="o", label=f"step {j}")
+        b.set(xlabel="optimizer step", ylabel="held-out top-1 agreement", title="acceptance per unrolled step")
+        b.legend()
+        fig.tight_layout()
+        fig.savefig(self.out / "training_curves.png", dpi=110)
+        plt.close(fig)
+
+    def cleanup(self) -> None:
+        self.acc.end_training()
+
+
+def run(cfg: Eagle3TrainConfig, *, resume: bool = False, **given) -> dict:
+    """setup -> train -> export -> cleanup; returns the export summary."""
+    recipe = Eagle3Recipe(cfg, **given)
+    recipe.setup(resume=resume)
+    recipe.train()
+    summary = recipe.export()
+    recipe.cleanup()
+    return summary
