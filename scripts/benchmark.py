@@ -38,6 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
     ap.add_argument("--first-turn-only", action="store_true")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16 or auto")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--no-adaptive", action="store_true", help="selfspec methods draft every step")
     ap.add_argument("--out", default=None, help="output path prefix (writes .json, .md, .png)")
@@ -54,7 +55,7 @@ def main(argv=None) -> None:
     if args.resume and not args.out:
         ap.error("--resume needs --out")
 
-    model, tokenizer = selfspec.load_target(args.model)
+    model, tokenizer = selfspec.load_target(args.model, dtype=args.dtype)
     questions = []
     for path in args.questions:
         qs = load_questions(path)

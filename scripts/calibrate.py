@@ -7,10 +7,13 @@ calibration prompts (GSM8K train + HumanEval from ../shared/data, never the benc
 
 * Medusa heads: acceptance per depth and rank on the target's own greedy text; the tree that
   maximises expected tokens/s = MAT / (verify(n) + draft) is chosen (``selfspec.calibration``);
-* layer-skip: the node budget (``max_nodes``) with the best measured speedup over plain decoding.
+* layer-skip: the node budget (``max_nodes``) with the best measured speedup over plain decoding;
+* EAGLE-3: depth, frontier width and node budget (chains and trees) with the best measured speedup,
+  on held-out chat prompts (never the head's training prompts nor a benchmark set).
 
-The choice and the measurements are written into the checkpoint (``drafter.json``), so
-``selfspec.load_drafter`` and ``selfspec.generate`` use the calibrated tree by default.
+The choice and the measurements are written into the checkpoint (``drafter.json``) per target
+dtype (``--dtype``; bf16 and fp32 verify costs differ), so ``selfspec.load_drafter`` uses the tree
+calibrated for the dtype the target was loaded in.
 """
 
 from __future__ import annotations
@@ -32,9 +35,24 @@ from selfspec.calibration import choose_tree, heads_accuracy, heads_draft_cost, 
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.checkpoint import CONFIG_FILE, atomic_write_text, read_checkpoint  # noqa: E402
 from selfspec.drafters import load_drafter  # noqa: E402
-from selfspec.workloads import calibration_prompts  # noqa: E402
+from selfspec.workloads import calibration_prompts, heldout_chat_prompts  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+#: options a calibration may change (tree shape, never the weights' shape)
+TREE_OPTIONS = ("tree", "max_nodes", "max_depth", "width", "branch")
+
+
+def training_prompts(meta: dict) -> set[str]:
+    """User texts the drafter was trained on (from its distillation folder's manifest), to keep
+    them out of calibration."""
+    from training.distill import DistillConfig, collect_prompts
+
+    dataset = (meta.get("extra") or {}).get("training", {}).get("dataset")
+    manifest = Path(dataset or "") / "manifest.json"
+    if not dataset or not manifest.exists():
+        return set()
+    cfg = DistillConfig(**json.loads(manifest.read_text(encoding="utf-8"))["config"])
+    return {p["user"].strip() for p in collect_prompts(cfg)}
 
 
 def main(argv=None) -> None:
@@ -42,16 +60,20 @@ def main(argv=None) -> None:
     ap.add_argument("checkpoint")
     ap.add_argument("--target", default=selfspec.DEFAULT_TARGET)
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--dtype", default="float32", help="target dtype the tree is calibrated for (float32, bfloat16)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--max-nodes", type=int, default=16, help="largest tree measured (root excluded)")
     ap.add_argument("--width", type=int, default=None, help="layer-skip: widest level searched (default: the checkpoint's)")
     ap.add_argument("--dry-run", action="store_true", help="print the choice, leave the checkpoint as it is")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
-    model, tok = selfspec.load_target(args.target)
+    model, tok = selfspec.load_target(args.target, dtype=args.dtype)
     drafter = load_drafter(args.checkpoint, model)
     meta, _ = read_checkpoint(args.checkpoint)
-    prompts = [encode_chat(tok, [{"role": "user", "content": p}]) for p in calibration_prompts(SHARED, args.prompts)]
+    texts = calibration_prompts(SHARED, args.prompts)
+    if drafter.kind == "eagle3":
+        texts = heldout_chat_prompts(SHARED, args.prompts, training_prompts(meta))
+    prompts = [encode_chat(tok, [{"role": "user", "content": p}]) for p in texts]
     verify = verify_costs(model, list(range(1, args.max_nodes + 2)))
     print("verify ms per n nodes:", {n: round(v * 1e3, 1) for n, v in verify.items()})
     record = {"machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
@@ -88,12 +110,30 @@ def main(argv=None) -> None:
         drafter = make(chosen)
         record |= {"measured_speedup": speedups, "max_nodes": chosen, "width": drafter.cfg.width}
         print(f"chosen max_nodes: {chosen}" + ("" if best else " (nothing beat plain decoding here)"))
+    elif drafter.kind == "eagle3":
+        grid = [dict(max_depth=d, width=1, branch=1, max_nodes=d) for d in (2, 3, 4, 5)]
+        grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in
+                 ((4, 2, 6), (5, 3, 8), (5, 3, 10), (6, 4, 12), (6, 4, 16))]
+        grid = [g for g in grid if g["max_nodes"] <= args.max_nodes]
+        best, speedups = measured_search(model, lambda i: drafter.with_options(**grid[i]), prompts[:4],
+                                         list(range(len(grid))))
+        chosen = max(speedups, key=speedups.get)
+        for i, g in enumerate(grid):
+            print(f"  {g}: {speedups[i]:.3f}x")
+        drafter = drafter.with_options(**grid[chosen])
+        record |= {"grid": grid, "measured_speedup": [speedups[i] for i in range(len(grid))], "chosen": grid[chosen]}
+        print(f"chosen {grid[chosen]}" + ("" if best or chosen else " (nothing beat plain decoding here)"))
     else:
         raise SystemExit(f"no calibration for drafters of kind {drafter.kind!r}")
     if args.dry_run:
         return
-    meta["config"] = drafter.config_dict()  # the weights are unchanged: rewrite drafter.json only
-    meta.setdefault("extra", {})["calibration"] = json.loads(json.dumps(record))
+    extra = meta.setdefault("extra", {})
+    extra.setdefault("calibration_by_dtype", {})[args.dtype] = json.loads(json.dumps(record))
+    options = {k: v for k, v in drafter.config_dict().items() if k in TREE_OPTIONS}
+    extra.setdefault("options_by_dtype", {})[args.dtype] = options
+    if args.dtype == "float32":  # the weights are unchanged: rewrite drafter.json only
+        meta["config"] = drafter.config_dict()
+        extra["calibration"] = json.loads(json.dumps(record))
     atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1))
     print(f"stored in {Path(args.checkpoint) / CONFIG_FILE}")
 

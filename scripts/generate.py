@@ -34,6 +34,8 @@ def main(argv=None) -> None:
     ap.add_argument("--drafter", default="auto",
                     help="auto (shipped medusa heads + prompt lookup if heads ship for the model, else ngram), "
                          "medusa, ngram[:opts], medusa+ngram, a checkpoint folder, none")
+    ap.add_argument("--dtype", default="auto", help="target dtype: auto (bfloat16 where the CPU/GPU runs it "
+                    "natively, else float32), float32, bfloat16")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -45,7 +47,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     print(f"loading {args.model} ...", flush=True)
-    model, tokenizer = selfspec.load_target(args.model)
+    model, tokenizer = selfspec.load_target(args.model, dtype=args.dtype)
+    print(f"target dtype {str(next(model.parameters()).dtype).removeprefix('torch.')}", flush=True)
     ids = encode_chat(tokenizer, args.prompt, system=args.system)
     drafter_spec = args.drafter
     if drafter_spec == "auto":

@@ -58,3 +58,52 @@ def compare(model, input_ids: torch.Tensor, drafter, *, repeats: int = 1, warmup
 
 def _no_budget(gen: dict) -> dict:
     return {k: v for k, v in gen.items() if k != "max_new_tokens"}
+
+
+@dataclass
+class Divergence:
+    """Where a speculative greedy output first left plain greedy, and why.
+
+    Attributes:
+        position: index (in new tokens) of the first differing token.
+        margin: the plain pass's top-1 minus top-2 logit there.
+        rounding_gap: the largest difference, over those two tokens, between the logits of one
+            batched pass over the sequence and of sequential one-token passes (how far the two
+            kernels' rounding moves these logits here).
+        explained: ``margin <= 2 * rounding_gap``: a near-tie the dtype's rounding can flip.
+    """
+
+    position: int
+    margin: float
+    rounding_gap: float
+
+    @property
+    def explained(self) -> bool:
+        return self.margin <= 2 * self.rounding_gap
+
+
+@torch.no_grad()
+def divergence(model, plain: torch.Tensor, spec: torch.Tensor, prompt_len: int) -> Divergence | None:
+    """Diagnose the first difference of two greedy outputs ``[1, L]`` (``None`` if identical)."""
+    from .lm_head import lm_logits
+    from .kv_cache import new_cache
+
+    a, b = plain[0].cpu(), spec[0].cpu()
+    n = min(a.shape[0], b.shape[0])
+    diff = (a[:n] != b[:n]).nonzero()
+    if len(diff) == 0:
+        return None
+    pos = int(diff[0])  # absolute index of the first differing token; predicted at pos - 1
+    device = next(model.parameters()).device
+    decoder = model.get_decoder()
+    seq = a[None, :pos].to(device)
+    batched = lm_logits(model, decoder(input_ids=seq).last_hidden_state[0, -1]).float()
+    cache = new_cache()
+    decoder(input_ids=seq[:, : prompt_len - 1], cache=cache)
+    for t in range(prompt_len - 1, pos):
+        hidden = decoder(input_ids=seq[:, t: t + 1], cache=cache).last_hidden_state[0, -1]
+    sequential = lm_logits(model, hidden).float()
+    top = sequential.topk(2)
+    pair = top.indices
+    gap = float((sequential[pair] - batched[pair]).abs().max())
+    return Divergence(pos - prompt_len, float(top.values[0] - top.values[1]), gap)

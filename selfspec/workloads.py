@@ -88,3 +88,20 @@ def calibration_prompts(data_dir: str | Path, n: int) -> list[str]:
         code = ["Complete this Python function:\n" + json.loads(line)["prompt"] for line in f][: n // 2]
     out = [p for pair in zip(gsm, code) for p in pair] + gsm[len(code):]
     return out[:n]
+
+
+def heldout_chat_prompts(data_dir: str | Path, n: int, exclude: set[str] | None = None) -> list[str]:
+    """``n`` chat / instruction prompts for calibrating chat-trained drafters: first user turns of
+    ``chat_prompts.jsonl`` read from its end, skipping any text in ``exclude`` (the drafter's
+    training prompts) and any benchmark prompt."""
+    from training.distill import benchmark_prompts  # measurement helper; the library never needs it
+
+    skip = set(exclude or ()) | benchmark_prompts(data_dir)
+    out = []
+    for rec in reversed(_jsonl(Path(data_dir) / "chat_prompts.jsonl")):
+        text = rec["messages"][0]["content"]
+        if text.strip() not in skip and text not in skip and len(text) < 1500:
+            out.append(text)
+            if len(out) == n:
+                break
+    return out

@@ -12,7 +12,7 @@ from training.distill import DistillConfig, collect_prompts, distill
 from tiny_models import tiny_model, tiny_tokenizer
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-pytestmark = pytest.mark.skipif(not DATA.exists(), reason="shared/data not beside the checkout")
+needs_data = pytest.mark.skipif(not DATA.exists(), reason="shared/data not beside the checkout")
 
 
 def config(**kw) -> DistillConfig:
@@ -21,6 +21,7 @@ def config(**kw) -> DistillConfig:
     return DistillConfig(**(base | kw))
 
 
+@needs_data
 def test_prompt_selection_is_seeded_and_holds_out_benchmark_prompts():
     a, b = collect_prompts(config()), collect_prompts(config())
     assert a == b and len(a) == 6
@@ -29,6 +30,7 @@ def test_prompt_selection_is_seeded_and_holds_out_benchmark_prompts():
     assert collect_prompts(config(seed=1)) != a
 
 
+@needs_data
 def test_distill_writes_a_dataset_and_resumes_from_shards(tmp_path):
     tok = tiny_tokenizer()
     model = tiny_model("llama", vocab=len(tok), dtype=torch.float32)
@@ -42,3 +44,54 @@ def test_distill_writes_a_dataset_and_resumes_from_shards(tmp_path):
     again = distill(model, tok, config(), tmp_path / "d", target_name="tiny")
     assert shard.read_text() == before and len(load_from_disk(str(again))) == 6
     assert (tmp_path / "d" / "provenance.json").exists()
+
+
+def _fixture(root: Path) -> Path:
+    """A miniature of ../shared/data (same formats) whose chat set repeats benchmark prompts."""
+    import gzip
+    import json
+
+    d = root / "data"
+    (d / "bfcl").mkdir(parents=True)
+    (d / "gsm8k").mkdir()
+    mt = [{"question_id": 81, "category": "writing", "turns": ["Write a haiku about rain.", "Now in French."]}]
+    (d / "mt_bench_question.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mt))
+    fn = [{"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}]
+    bfcl = [{"id": f"simple_python_{i}", "question": [[{"role": "user", "content": f"call f {i}"}]], "function": fn}
+            for i in range(4)]
+    for name in ("BFCL_v4_simple_python.json", "BFCL_v4_multiple.json"):
+        (d / "bfcl" / name).write_text("".join(json.dumps(r) + "\n" for r in bfcl))
+    (d / "gsm8k" / "train.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
+    with gzip.open(d / "HumanEval.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n"}) + "\n")
+    chat = ["Write a haiku about rain.", "Tell me a joke.", "Now in French.", "call f 0", "Explain RoPE."]
+    (d / "chat_prompts.jsonl").write_text("".join(
+        json.dumps({"id": f"c:{i}", "source": "c", "category": "x", "messages": [{"role": "user", "content": t}]}) + "\n"
+        for i, t in enumerate(chat)))
+    with gzip.open(d / "tool_prompts.jsonl.gz", "wt") as f:
+        for i, t in enumerate(["call f 1", "book a table"]):
+            f.write(json.dumps({"id": f"t:{i}", "source": "t", "category": "x",
+                                "messages": [{"role": "user", "content": t}], "tools": fn}) + "\n")
+    return d
+
+
+def test_benchmark_prompts_never_reach_distillation(tmp_path):
+    """Runs in CI without ../shared: a fixture whose chat / tool sets repeat MT-Bench turns and
+    held-out BFCL prompts; none of them is distilled. With ../shared present, the chat-scale config
+    is checked on the real files too."""
+    from training.distill import benchmark_prompts
+
+    data = _fixture(tmp_path)
+    cfg = DistillConfig(sources={"chat": 10, "tools": 10, "bfcl_simple": 10, "gsm8k": 1, "humaneval": 1},
+                        data_dir=str(data), holdout=2)
+    held = benchmark_prompts(data, holdout=2)
+    assert {"Write a haiku about rain.", "Now in French.", "call f 0", "call f 1"} <= held
+    users = [p["user"] for p in collect_prompts(cfg)]
+    assert not set(users) & held
+    assert "Tell me a joke." in users and "book a table" in users and "call f 3" in users
+    if DATA.exists():
+        from training.config import load_any
+
+        job = load_any(Path(__file__).resolve().parents[1] / "configs" / "distill_chat_smollm2.yaml")
+        real = collect_prompts(DistillConfig(**(job.distill.__dict__ | {"data_dir": str(DATA)})))
+        assert not {p["user"].strip() for p in real} & benchmark_prompts(DATA)

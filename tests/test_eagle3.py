@@ -256,3 +256,118 @@ def test_training_learns_and_resumes_exactly(tmp_path):
     again.train()
     for k, v in full.head.state_dict().items():
         torch.testing.assert_close(again.drafter.head.state_dict()[k].to(v.dtype), v, msg=k)
+
+
+# ---------------------------------------------------------------- export
+def _speculators_first_layer_class():
+    """vLLM's `speculators` EAGLE-3 first layer, loaded without the package's heavy __init__ (it
+    pins older transformers and imports serving clients)."""
+    import importlib.util
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("speculators")
+    if spec is None:
+        pytest.skip("speculators is not installed (pip install --no-deps speculators)")
+    root = spec.submodule_search_locations[0]
+    saved = {k: sys.modules.get(k) for k in ("speculators", "speculators.models", "speculators.models.eagle3")}
+    try:
+        for name, sub in (("speculators", ""), ("speculators.models", "models"), ("speculators.models.eagle3", "models/eagle3")):
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [f"{root}/{sub}".rstrip("/")]
+            sys.modules[name] = pkg
+        mods = {}
+        for name, rel in (("speculators.models.base_components", "models/base_components.py"),
+                          ("speculators.models.eagle3.model_definitions", "models/eagle3/model_definitions.py")):
+            s = importlib.util.spec_from_file_location(name, f"{root}/{rel}")
+            mods[name] = importlib.util.module_from_spec(s)
+            sys.modules[name] = mods[name]
+            s.loader.exec_module(mods[name])
+        return mods["speculators.models.eagle3.model_definitions"].LlamaDecoderEagle3FirstLayer
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def test_eagle3_export_matches_an_independent_implementation(tmp_path):
+    """The exported folder, read as vLLM / SGLang read it (config.json + model.safetensors), run
+    through speculators' EAGLE-3 layer, reproduces our draft logits."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+    from selfspec.export import export_drafter
+
+    layer_cls = _speculators_first_layer_class()
+    model = tiny_model("llama", layers=6)
+    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32))
+    drafter.head.set_vocab(torch.arange(1, 64, 2))
+    drafter._draft_ids = drafter.head.draft_ids
+    out = export_drafter(drafter, tmp_path / "e", "eagle3", dtype=torch.float64)
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["vocab_size"] == 64 and config["draft_vocab_size"] == 32 and config["norm_before_residual"] is False
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(drafter.taps)
+    assert [k + 1 for k in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == list(drafter.taps)
+    assert not any(k.startswith("embed") for k in tensors)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+
+    cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "eagle_config")})
+    cfg._attn_implementation = "eager"
+    layer = layer_cls(cfg, 0, norm_before_residual=config["norm_before_residual"]).double()
+    layer.load_state_dict({k.removeprefix("midlayer."): v for k, v in tensors.items() if k.startswith("midlayer.")})
+    norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps).double()
+    norm.weight.data.copy_(tensors["norm.weight"])
+    seq = PROMPT[0]
+    with capture_taps(model, config["eagle_aux_hidden_state_layer_ids"]) as rec:
+        model(seq[None])
+    n = seq.shape[0] - 1
+    feats = rec.get()[:, :n] @ tensors["fc.weight"].T
+    embeds = model.get_input_embeddings()(seq[None, 1:])
+    pos = torch.arange(n)[None]
+    mask = torch.full((n, n), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)[None, None]
+    h = layer(torch.cat([embeds, feats], -1), attention_mask=mask, position_ids=pos,
+              position_embeddings=LlamaRotaryEmbedding(cfg)(feats, pos))
+    ref = norm(h) @ tensors["lm_head.weight"].T  # [1, n, V_d]
+    ref_ids = torch.arange(32) + tensors["d2t"]
+    ours = drafter.head.logits(drafter.catch_up(seq, rec.get()[0, :n]))
+    torch.testing.assert_close(ours[0], ref[0, -1], atol=1e-6, rtol=1e-5)  # RMSNorm computes in float32
+    assert torch.equal(ref_ids, drafter._draft_ids)
+
+
+def test_export_refuses_what_engines_cannot_serve(tmp_path):
+    from selfspec.export import ExportError, export_drafter
+
+    gemma = tiny_model("gemma3")
+    with pytest.raises(ExportError, match="serve EAGLE-3"):
+        export_drafter(build_drafter(gemma, "eagle3", draft_vocab_size=16), tmp_path / "g", "eagle3")
+    llama = tiny_model("llama", layers=6)
+    with pytest.raises(ExportError, match="medusa drafters"):
+        export_drafter(build_drafter(llama, "eagle3", draft_vocab_size=16), tmp_path / "m", "medusa")
+    save_drafter(build_drafter(llama, "eagle3", draft_vocab_size=16), tmp_path / "ckpt")
+    with pytest.raises(ExportError, match="checkpoint"):
+        export_drafter(build_drafter(llama, "eagle3", draft_vocab_size=16), tmp_path / "ckpt", "eagle3")
+
+
+def test_medusa_export_layout(tmp_path):
+    from safetensors.torch import load_file
+
+    from selfspec.export import export_drafter
+
+    model = tiny_model("llama")
+    drafter = build_drafter(model, "medusa", num_heads=3, num_layers=2)
+    out = export_drafter(drafter, tmp_path / "m", "medusa", dtype=torch.float64)
+    t = load_file(str(out / "model.safetensors"))
+    assert set(t) == {f"blocks.{i}.layers.{j}.{w}" for i in range(3) for j in range(2) for w in ("weight", "bias")} | \
+        {f"lm_heads.{i}.weight" for i in range(3)}
+    h = torch.randn(5, 32, dtype=torch.float64)
+    x = h
+    for j in range(2):  # vLLM's ResidualBlock: x + SiLU(W x + b), then lm_heads[i]
+        x = x + torch.nn.functional.silu(x @ t[f"blocks.1.layers.{j}.weight"].T + t[f"blocks.1.layers.{j}.bias"])
+    torch.testing.assert_close(x @ t["lm_heads.1.weight"].T, drafter.heads.logits(model, h)[:, 1])

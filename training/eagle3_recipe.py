@@ -99,6 +99,8 @@ def load_distilled(path: str | Path) -> list[dict]:
     shards = sorted((path / "shards").glob("*.jsonl")) if (path / "shards").is_dir() else []
     if shards:
         return [json.loads(line) for s in shards for line in s.read_text(encoding="utf-8").splitlines() if line]
+    if (path / "shards").is_dir():
+        raise FileNotFoundError(f"{path} has no finished shard yet: let scripts/distill_data.py run longer")
     if path.is_dir():
         from datasets import load_from_disk
 

@@ -51,6 +51,11 @@ def load_drafter(path, model) -> Drafter:
     check_target(meta, model, path)
     try:
         drafter = _CHECKPOINTS[kind][1](model, meta, weights)
+        # trees calibrated for this dtype on this machine (scripts/calibrate.py --dtype)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        options = (meta.get("extra") or {}).get("options_by_dtype", {}).get(dtype)
+        if options:
+            drafter = drafter.with_options(**options)
     except ValueError as err:
         raise CheckpointError(f"{str(path)!r}: {err}") from None
     drafter.checkpoint_meta = meta

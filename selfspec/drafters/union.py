@@ -1,13 +1,22 @@
-"""Union of drafters: several deterministic draft trees merged into one trie under a node budget.
+"""Union of drafters: several deterministic draft trees merged into one trie, budgeted by value.
 
-Each member proposes a tree for the same root; their root-to-leaf token paths are inserted member
-by member (first member first, its nodes in flat order) into one trie, sharing common prefixes,
-until ``max_nodes`` draft nodes. Used to let prompt lookup catch copy-heavy text (tool calls,
-rewrites) while trained heads cover the rest. Only point-mass trees can be merged: a sampled child
-carries a law tied to its own siblings, which a merge would break.
+Each member proposes a tree for the same root. Every member node gets a *value*: the estimated
+probability that verification accepts it, i.e. the product along its path of the member's measured
+acceptance rate at that (depth, sibling rank), where the rate of (member, depth d, rank r) is the
+share of steps in which the member's rank-r child of an accepted depth-(d-1) node was accepted
+(a decayed count with a Beta(1, 1) prior, so a new union starts curious). Nodes proposed by several
+members take the best value. The union keeps the highest-value nodes (ancestors first; a path
+value never exceeds its parent's) while the value is at least ``min_value`` and within
+``max_nodes``: weak nodes of one member no longer crowd out a strong member's draft, and nodes
+that would rarely be accepted are not verified at all, so the union does not pay for them.
+
+Only point-mass trees can be merged: a sampled child carries a law tied to its own siblings,
+which a merge would break; members that can sample are asked for point-mass trees.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..tree import DraftTree, Law, TreeBuilder
 from ..verify import Verdict
@@ -15,25 +24,29 @@ from .base import DraftContext, Drafter
 
 
 class UnionDrafter(Drafter):
-    """Merges the trees of ``members`` (all proposing point-mass children)."""
+    """Merges the trees of ``members`` (all proposing point-mass children) by measured value."""
 
     kind = "union"
 
-    def __init__(self, members: list[Drafter], max_nodes: int = 16):
+    def __init__(self, members: list[Drafter], max_nodes: int = 16, min_value: float = 0.05, decay: float = 0.98):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        if not 0.0 <= min_value < 1.0 or not 0.0 < decay <= 1.0:
+            raise ValueError(f"min_value must be in [0, 1) and decay in (0, 1], got {min_value}, {decay}")
         super().__init__(members[0].signature)
-        # members that can sample their children are asked for point-mass trees instead
         members = [m.with_options(sampled=False) if getattr(getattr(m, "cfg", None), "sampled", False) else m
                    for m in members]
-        self.members, self.max_nodes = members, max_nodes
+        self.members, self.max_nodes, self.min_value, self.decay = members, max_nodes, min_value, decay
         self.needs_hidden = any(m.needs_hidden for m in members)
         taps = {m.taps for m in members if m.taps}
         if len(taps) > 1:
             raise ValueError(f"union members read different target taps {sorted(taps)}")
         self.taps = taps.pop() if taps else ()
+        self.hits: dict[tuple[int, int, int], float] = {}  # (member, depth, rank) -> decayed hits
+        self.tests: dict[tuple[int, int, int], float] = {}
+        self._sources: list[list[tuple[int, int, int]]] = []  # union node -> its (member, depth, rank)s
 
     def check_target(self, model) -> None:
         for m in self.members:
@@ -43,26 +56,54 @@ class UnionDrafter(Drafter):
         for m in self.members:
             m.reset()
 
+    def rate(self, member: int, depth: int, rank: int) -> float:
+        """Measured acceptance of the member's rank-``rank`` child at ``depth`` (given its parent
+        was accepted), with a Beta(1, 1) prior."""
+        key = (member, depth, rank)
+        return (self.hits.get(key, 0.0) + 1.0) / (self.tests.get(key, 0.0) + 2.0)
+
     def propose(self, ctx: DraftContext) -> DraftTree:
-        builder = TreeBuilder(ctx.root_token)
-        trie: dict[tuple[int, int], int] = {}
-        for member in self.members:
+        # candidate trie: key (union parent key, token) -> [value, sources]; the root's key is ()
+        trie: dict[tuple, list] = {}
+        for m, member in enumerate(self.members):
             tree = member.propose(ctx)
             if bool((tree.laws[1:] != Law.POINT).any()):
                 raise ValueError(f"{member.kind} drafted sampled children, which a union cannot merge")
-            where = {0: 0}  # member node -> union node
             tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+            key, value, seen = {0: ()}, {0: 1.0}, {}
             for i in range(1, tree.num_nodes):
-                if parents[i] not in where:
-                    continue
-                key = (where[parents[i]], tokens[i])
-                if key not in trie:
-                    if len(builder) > self.max_nodes:
-                        continue
-                    trie[key] = builder.add(key[0], key[1])
-                where[i] = trie[key]
+                p = parents[i]
+                rank = seen.get(p, 0)
+                seen[p] = rank + 1
+                depth = len(key[p]) + 1
+                key[i] = key[p] + (tokens[i],)
+                value[i] = value[p] * self.rate(m, depth, rank)
+                entry = trie.setdefault(key[i], [0.0, []])
+                entry[0] = max(entry[0], value[i])
+                entry[1].append((m, depth, rank))
+        ranked = sorted(trie.items(), key=lambda kv: (-kv[1][0], len(kv[0])))
+        builder, index = TreeBuilder(ctx.root_token), {(): 0}
+        self._sources = [[]]
+        chosen = [k for k, (v, _) in ranked if v >= self.min_value][: self.max_nodes]
+        for k in sorted(chosen, key=len):  # parents first; a parent's value >= its child's
+            if k[:-1] in index:
+                index[k] = builder.add(index[k[:-1]], k[-1])
+                self._sources.append(trie[k][1])
         return builder.build()
 
     def observe(self, ctx: DraftContext, tree: DraftTree, verdict: Verdict) -> None:
+        """Update each member's acceptance rates: every proposed node whose parent was accepted was
+        tested; it was a hit if it is on the accepted path."""
+        for key in self.tests:
+            self.tests[key] *= self.decay
+            self.hits[key] *= self.decay
+        accepted = set(verdict.path)
+        parents = tree.parents.tolist()
+        for node in range(1, min(tree.num_nodes, len(self._sources))):
+            if parents[node] in accepted:
+                for src in self._sources[node]:
+                    self.tests[src] = self.tests.get(src, 0.0) + 1.0
+                    if node in accepted:
+                        self.hits[src] = self.hits.get(src, 0.0) + 1.0
         for m in self.members:
             m.observe(ctx, tree, verdict)
