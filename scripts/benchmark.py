@@ -67,7 +67,7 @@ def main(argv=None) -> None:
         questions += qs
     methods = {spec: benchmark.method_from_spec(model, spec, args.model, not args.no_adaptive) for spec in args.methods}
     partial = args.out + ".partial.jsonl" if args.out else None
-    settings = {k: vars(args)[k] for k in ("model", "max_new_tokens", "temperature", "no_adaptive")}
+    settings = {k: vars(args)[k] for k in ("model", "max_new_tokens", "temperature", "no_adaptive", "dtype")}
     done = []
     if partial and args.resume and os.path.exists(partial):
         with open(partial) as f:
@@ -99,6 +99,25 @@ def main(argv=None) -> None:
         print(benchmark.markdown_table(benchmark.summarise(records)))
 
 
+def provenance() -> dict:
+    """Commit, package versions and machine of this run (so a number can be traced)."""
+    import platform
+    import subprocess
+
+    import torch
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = None, None
+    return {"commit": commit, "dirty": dirty, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+            "torch_threads": torch.get_num_threads()}
+
+
 def write(out: str, args: dict, records, command: str, title: str = "") -> None:
     """Write <out>.json (args, command, summary, records), <out>.md (command + table) and plots."""
     summary = benchmark.summarise(records)
@@ -107,7 +126,8 @@ def write(out: str, args: dict, records, command: str, title: str = "") -> None:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tmp = out + ".json.tmp"
     with open(tmp, "w") as f:
-        json.dump({"args": args, "command": command, "summary": summary, "records": benchmark.as_rows(records)}, f, indent=1)
+        json.dump({"args": args, "command": command, "provenance": provenance(), "summary": summary,
+                   "records": benchmark.as_rows(records)}, f, indent=1)
     os.replace(tmp, out + ".json")
     with open(out + ".md", "w") as f:
         f.write(f"`{command}`\n\n{table}\n")

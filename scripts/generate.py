@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.drafters import drafter_from_spec, shipped_checkpoint  # noqa: E402
-from selfspec.measure import compare  # noqa: E402
+from selfspec.measure import compare, divergence  # noqa: E402
 
 DEFAULT_PROMPT = (
     "Here is a tool call: {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", "
@@ -32,8 +32,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--model", default=selfspec.DEFAULT_TARGET, help="alias, local folder or .gguf file")
     ap.add_argument("--drafter", default="auto",
-                    help="auto (shipped medusa heads + prompt lookup if heads ship for the model, else ngram), "
-                         "medusa, ngram[:opts], medusa+ngram, a checkpoint folder, none")
+                    help="auto (the shipped EAGLE-3 head + prompt lookup if a head ships for the model, else "
+                         "medusa+ngram, else ngram), eagle3, medusa, layerskip, ngram[:opts], a+b unions, "
+                         "a checkpoint folder, none")
     ap.add_argument("--dtype", default="auto", help="target dtype: auto (bfloat16 where the CPU/GPU runs it "
                     "natively, else float32), float32, bfloat16")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -52,7 +53,8 @@ def main(argv=None) -> None:
     ids = encode_chat(tokenizer, args.prompt, system=args.system)
     drafter_spec = args.drafter
     if drafter_spec == "auto":
-        drafter_spec = "medusa+ngram" if shipped_checkpoint(args.model, "medusa").is_dir() else "ngram"
+        shipped = [k for k in ("eagle3", "medusa") if shipped_checkpoint(args.model, k).is_dir()]
+        drafter_spec = f"{shipped[0]}+ngram" if shipped else "ngram"
     drafter = drafter_from_spec(model, drafter_spec, args.model)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                top_p=args.top_p, seed=args.seed, adaptive=not args.no_adaptive)
@@ -74,6 +76,11 @@ def main(argv=None) -> None:
               f"({spec.stats.fallbacks} fallback(s) while drafting did not pay)")
     if args.temperature == 0:
         print(f"identical to plain greedy: {result.identical}")
+        why = divergence(model, plain.sequences, spec.sequences, ids.shape[1])
+        if why is not None:
+            print(f"  first difference at new token {why.position}: plain top-2 logit margin {why.margin:.4f}, "
+                  f"batched-vs-sequential rounding {why.rounding_gap:.4f} here "
+                  f"({'a near-tie the dtype rounding flips' if why.explained else 'NOT explained by rounding: a bug'})")
 
 
 if __name__ == "__main__":

@@ -108,15 +108,21 @@ def load_distilled(path: str | Path) -> list[dict]:
     raise FileNotFoundError(f"no distilled data at {str(path)!r}: run scripts/distill_data.py first")
 
 
-def draft_vocabulary(examples: list[dict], size: int, vocab: int) -> tuple[torch.Tensor, dict]:
-    """The ``size`` most frequent response tokens (increasing ids) and the token coverage of the
-    top-n tokens for several n."""
+def _token_counts(examples: list[dict], vocab: int) -> torch.Tensor:
     counts = torch.zeros(vocab, dtype=torch.long)
     for ex in examples:
         counts += torch.bincount(torch.tensor(ex["response_ids"], dtype=torch.long), minlength=vocab)[:vocab]
-    order = counts.argsort(descending=True, stable=True)
-    total = max(1, int(counts.sum()))
-    coverage = {n: round(float(counts[order[:n]].sum()) / total, 5) for n in COVERAGE_SIZES + (size,) if n <= vocab}
+    return counts
+
+
+def draft_vocabulary(examples: list[dict], size: int, vocab: int, held_out: list[dict] | None = None
+                     ) -> tuple[torch.Tensor, dict]:
+    """The ``size`` most frequent response tokens of ``examples`` (increasing ids) and the share of
+    ``held_out`` response tokens (default: ``examples``) that the top-n tokens cover, for several n."""
+    order = _token_counts(examples, vocab).argsort(descending=True, stable=True)
+    test = _token_counts(held_out if held_out else examples, vocab)
+    total = max(1, int(test.sum()))
+    coverage = {n: round(float(test[order[:n]].sum()) / total, 5) for n in sorted(set(COVERAGE_SIZES + (size,))) if n <= vocab}
     return order[:size].sort().values, coverage
 
 
@@ -150,7 +156,7 @@ class Eagle3Recipe:
         self.eval_set = [examples[i] for i in order[:n_eval]][: cfg.max_eval_examples]
         self.train_set = [examples[i] for i in order[n_eval:]]
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
-        draft_ids, self.coverage = draft_vocabulary(self.train_set, cfg.eagle3.draft_vocab_size, vocab)
+        draft_ids, self.coverage = draft_vocabulary(self.train_set, cfg.eagle3.draft_vocab_size, vocab, self.eval_set)
         self.drafter = selfspec.build_drafter(self.model, "eagle3", **asdict(cfg.eagle3))
         self.head = self.drafter.head.float()
         self.head.set_vocab(draft_ids)

@@ -86,7 +86,8 @@ def drafter_from_spec(model, spec: str, target: str | None = None) -> Drafter | 
     * a bare trainable kind (``medusa``): the checkpoint shipped for ``target`` (error if none);
     * ``kind`` or ``kind:key=value,...``: a fresh drafter from :func:`build_drafter` (values that
       look like integers are parsed as such);
-    * ``a+b+...``: the union of those drafters' trees (16 draft nodes at most);
+    * ``a+b+...``: the union of those drafters' trees, budgeted by measured acceptance (at most
+      as many draft nodes as its largest member);
     * ``<checkpoint folder or shipped kind>@key=value,...``: a loaded drafter with tree options
       changed (e.g. ``layerskip@kv_reuse=false``, ``medusa@tree=[[0],[0,0]]``).
     """
@@ -156,8 +157,8 @@ def _build_ngram(model, **options) -> NgramDrafter:
     return NgramDrafter(NgramConfig(**options), TargetSignature.of(model))
 
 
-def _build_union(model, members: list[Drafter], max_nodes: int = 16) -> UnionDrafter:
-    drafter = UnionDrafter(list(members), max_nodes)
+def _build_union(model, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05) -> UnionDrafter:
+    drafter = UnionDrafter(list(members), max_nodes, min_value)
     drafter.check_target(model)
     return drafter
 

@@ -7,7 +7,8 @@ share of steps in which the member's rank-r child of an accepted depth-(d-1) nod
 (a decayed count with a Beta(1, 1) prior, so a new union starts curious). Nodes proposed by several
 members take the best value. The union keeps the highest-value nodes (ancestors first; a path
 value never exceeds its parent's) while the value is at least ``min_value`` and within
-``max_nodes``: weak nodes of one member no longer crowd out a strong member's draft, and nodes
+``max_nodes`` (default: the largest member's own node budget, e.g. its calibrated tree): weak
+nodes of one member no longer crowd out a strong member's draft, and nodes
 that would rarely be accepted are not verified at all, so the union does not pay for them.
 
 Only point-mass trees can be merged: a sampled child carries a law tied to its own siblings,
@@ -28,9 +29,12 @@ class UnionDrafter(Drafter):
 
     kind = "union"
 
-    def __init__(self, members: list[Drafter], max_nodes: int = 16, min_value: float = 0.05, decay: float = 0.98):
+    def __init__(self, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05,
+                 decay: float = 0.98):
         if not members:
             raise ValueError("a union drafter needs at least one member")
+        if max_nodes is None:  # never verify more nodes than the largest member would on its own
+            max_nodes = max(int(getattr(getattr(m, "cfg", None), "max_nodes", 16)) for m in members)
         if max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
         if not 0.0 <= min_value < 1.0 or not 0.0 < decay <= 1.0:
