@@ -139,6 +139,7 @@ def test_union_of_heads_and_ngram_is_exact_and_merges_prefixes():
     from selfspec.drafters.base import DraftContext
 
     ctx = DraftContext(PROMPT[0], None, 8, SamplingConfig(), torch.Generator())
+    union = selfspec.build_drafter(model, "union", members=[heads, ngram], max_nodes=12)  # nothing learnt yet
     tree = union.propose(ctx)  # no hidden state yet: only the n-gram member drafts
     assert tree.num_nodes == ngram.propose(ctx).num_nodes
     tokens = [tuple(tree.tokens[tree.path_to(i)].tolist()) for i in range(tree.num_nodes)]

@@ -4,7 +4,8 @@ Each member proposes a tree for the same root. Every member node gets a *value*:
 probability that verification accepts it, i.e. the product along its path of the member's measured
 acceptance rate at that (depth, sibling rank), where the rate of (member, depth d, rank r) is the
 share of steps in which the member's rank-r child of an accepted depth-(d-1) node was accepted
-(a decayed count with a Beta(1, 1) prior, so a new union starts curious). Nodes proposed by several
+(a decayed count with a Beta(1, 0.5) prior: a new union starts optimistic, at 2/3, verifies what
+its members propose and learns within a few steps). Nodes proposed by several
 members take the best value. The union keeps the highest-value nodes (ancestors first; a path
 value never exceeds its parent's) while the value is at least ``min_value`` and within
 ``max_nodes`` (default: the largest member's own node budget, e.g. its calibrated tree): weak
@@ -62,9 +63,9 @@ class UnionDrafter(Drafter):
 
     def rate(self, member: int, depth: int, rank: int) -> float:
         """Measured acceptance of the member's rank-``rank`` child at ``depth`` (given its parent
-        was accepted), with a Beta(1, 1) prior."""
+        was accepted), with a Beta(1, 0.5) prior."""
         key = (member, depth, rank)
-        return (self.hits.get(key, 0.0) + 1.0) / (self.tests.get(key, 0.0) + 2.0)
+        return (self.hits.get(key, 0.0) + 1.0) / (self.tests.get(key, 0.0) + 1.5)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         # candidate trie: key (union parent key, token) -> [value, sources]; the root's key is ()
@@ -100,7 +101,7 @@ class UnionDrafter(Drafter):
         tested; it was a hit if it is on the accepted path."""
         for key in self.tests:
             self.tests[key] *= self.decay
-            self.hits[key] *= self.decay
+            self.hits[key] = self.hits.get(key, 0.0) * self.decay
         accepted = set(verdict.path)
         parents = tree.parents.tolist()
         for node in range(1, min(tree.num_nodes, len(self._sources))):
