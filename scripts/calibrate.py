@@ -111,9 +111,8 @@ def main(argv=None) -> None:
         record |= {"measured_speedup": speedups, "max_nodes": chosen, "width": drafter.cfg.width}
         print(f"chosen max_nodes: {chosen}" + ("" if best else " (nothing beat plain decoding here)"))
     elif drafter.kind == "eagle3":
-        grid = [dict(max_depth=d, width=1, branch=1, max_nodes=d) for d in (2, 3, 4, 5)]
-        grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in
-                 ((4, 2, 6), (5, 3, 8), (5, 3, 10), (6, 4, 12), (6, 4, 16))]
+        grid = [dict(max_depth=d, width=1, branch=1, max_nodes=d) for d in (3, 4, 5)]
+        grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in ((4, 2, 6), (5, 3, 8), (6, 4, 12))]
         grid = [g for g in grid if g["max_nodes"] <= args.max_nodes]
         best, speedups = measured_search(model, lambda i: drafter.with_options(**grid[i]), prompts[:4],
                                          list(range(len(grid))))

@@ -109,7 +109,8 @@ def eagle3_layout(drafter: Eagle3Drafter, dtype: torch.dtype) -> tuple[dict, dic
         "eos_token_id": getattr(target, "eos_token_id", None),
     }
     state = drafter.head.state_dict()
-    tensors = {k: v.detach().to("cpu", dtype) for k, v in state.items() if k not in ("d2t", "t2d")}
+    tensors = {k: v.detach().to("cpu", dtype) for k, v in state.items() if k not in ("d2t", "t2d", "tap_scale")}
+    tensors["fc.weight"] = drafter.head.folded_fc_weight().detach().to("cpu", dtype)
     tensors["d2t"] = state["d2t"].to("cpu", torch.int64)
     tensors["t2d"] = state["t2d"].to("cpu", torch.bool)
     return config, tensors

@@ -77,7 +77,8 @@ def test_benchmark_smoke_with_peers_schema_and_resume(tmp_path):
     spec.loader.exec_module(script)
     script.write(str(tmp_path / "out"), {"x": 1}, records, "cmd")
     stored = json.loads((tmp_path / "out.json").read_text())
-    assert set(stored) == {"args", "command", "summary", "records"} and len(stored["records"]) == 15
+    assert set(stored) == {"args", "command", "provenance", "summary", "records"} and len(stored["records"]) == 15
+    assert {"commit", "torch", "transformers", "machine"} <= set(stored["provenance"])
     assert (tmp_path / "out_speedup.png").stat().st_size > 1000 and (tmp_path / "out_acceptance.png").exists()
     # resume: the first question's two turns are done; only the last turn runs again
     calls = []

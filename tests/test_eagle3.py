@@ -231,7 +231,7 @@ def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="taps"):
         build_drafter(model, "eagle3", taps=[1, 2, 99])
     with pytest.raises(ValueError, match="cannot change"):
-        build_drafter(model, "eagle3").with_options(draft_vocab_size=8)
+        build_drafter(model, "eagle3", draft_vocab_size=16).with_options(draft_vocab_size=8)
 
 
 def test_training_learns_and_resumes_exactly(tmp_path):
@@ -307,6 +307,7 @@ def test_eagle3_export_matches_an_independent_implementation(tmp_path):
     model = tiny_model("llama", layers=6)
     drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32))
     drafter.head.set_vocab(torch.arange(1, 64, 2))
+    drafter.head.tap_scale.uniform_(0.5, 50.0)  # training's reparameterisation, folded into fc on export
     drafter._draft_ids = drafter.head.draft_ids
     out = export_drafter(drafter, tmp_path / "e", "eagle3", dtype=torch.float64)
     config = json.loads((out / "config.json").read_text())

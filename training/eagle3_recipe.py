@@ -161,6 +161,7 @@ class Eagle3Recipe:
         self.head = self.drafter.head.float()
         self.head.set_vocab(draft_ids)
         self._init_from_target()
+        self._measure_tap_scale()
         self.drafter._draft_ids = self.head.draft_ids.cpu()
         self.batches = self._bucket(self.train_set)
         self.total_steps = max(1, math.ceil(cfg.optim.epochs * len(self.batches)))
@@ -185,6 +186,17 @@ class Eagle3Recipe:
         norm = getattr(self.model.get_decoder(), "norm", None)
         if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == head.norm.weight.shape:
             head.norm.weight.copy_(norm.weight.float())
+
+    @torch.no_grad()
+    def _measure_tap_scale(self, examples: int = 16) -> None:
+        """Per-channel RMS of the taps over a few training examples (position 0, where targets put
+        their massive attention-sink activations, excluded), floored at 1e-3 of the median."""
+        batch = self.train_set[: examples]
+        ids, lengths, _ = self._collate(batch)
+        taps, _, _ = self._target(ids)
+        keep = (torch.arange(ids.shape[1])[None] < lengths[:, None]) & (torch.arange(ids.shape[1])[None] > 0)
+        rms = taps[keep.to(taps.device)].float().pow(2).mean(0).sqrt()
+        self.head.tap_scale.copy_(rms.clamp_min(float(rms.median()) * 1e-3))
 
     def _bucket(self, examples: list[dict]) -> list[list[int]]:
         """Example indices grouped by length into batches of at most ``tokens_per_batch`` padded

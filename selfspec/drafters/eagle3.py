@@ -120,7 +120,7 @@ class Eagle3Drafter(Drafter):
             return self._last
         dev, dtype = self._device_dtype()
         lo = self.cached
-        feats = self.head.fc(features.to(dev, dtype))
+        feats = self.head.fuse(features.to(dev, dtype))
         embeds = self.embed(tokens[lo + 1: committed + 1].to(dev)).to(dtype)
         visible = torch.ones(m, lo + m, dtype=torch.bool)
         visible[:, lo:] = torch.ones(m, m, dtype=torch.bool).tril()

@@ -5,7 +5,11 @@ Notation: the target has L layers and hidden size H; ``taps`` are indices into t
 layer's output before the final norm). The head's parameters are named exactly as the EAGLE-3
 serving layout that vLLM (``LlamaForCausalLMEagle3`` / ``Eagle3LlamaForCausalLM``) and SGLang load:
 
-* ``fc``: ``[H, 3H]``, fuses the three taps of a committed position into one feature;
+* ``fc``: ``[H, 3H]``, fuses the three taps of a committed position into one feature. Targets'
+  residual streams are large (SmolLM2: RMS ~170 in its middle layers, up to 2.5e4 at the first
+  position), which makes a raw ``fc`` untrainable with Adam; training therefore reads the taps
+  divided by a fixed per-channel ``tap_scale`` (their measured RMS). It is a reparameterisation
+  only: the export folds it into ``fc.weight``, so engines see the plain ``fc`` of the layout;
 * ``midlayer``: one llama-style decoder layer whose attention reads
   ``[input_layernorm(embedding); hidden_norm(feature)]`` (width 2H) and whose residual is the raw
   feature (``norm_before_residual = False``): ``h = o_proj(attn) + feature``,
@@ -123,9 +127,11 @@ class Eagle3Head(nn.Module):
         self.midlayer = Eagle3Layer(cfg)
         self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
+        self.register_buffer("tap_scale", torch.ones(num_taps * (target_hidden or h)))
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.rotary = LlamaRotaryEmbedding(cfg)
+        self.__dict__["_inv_freq32"] = self.rotary.inv_freq.detach().clone()  # not a buffer: never cast
 
     def set_vocab(self, draft_ids: torch.Tensor) -> None:
         """Use the increasing target ids ``draft_ids`` ``[V_d]`` as the draft vocabulary."""
@@ -137,6 +143,23 @@ class Eagle3Head(nn.Module):
         self.d2t.copy_(ids - torch.arange(ids.shape[0], device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True
+
+    def _apply(self, fn, *args, **kwargs):
+        """Casting the head keeps the rotary frequencies in float32 (as the engines compute them)."""
+        out = super()._apply(fn, *args, **kwargs)
+        rot = self.rotary
+        if rot.inv_freq.dtype != torch.float32:
+            rot.inv_freq = self.__dict__["_inv_freq32"].to(rot.inv_freq.device)
+            rot.original_inv_freq = rot.inv_freq.clone()
+        return out
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """``[..., 3H]`` taps -> ``[..., H]`` features: ``fc(taps / tap_scale)``."""
+        return self.fc(taps / self.tap_scale.to(taps.dtype))
+
+    def folded_fc_weight(self) -> torch.Tensor:
+        """``fc.weight`` with ``tap_scale`` folded in: ``fuse(x) == x @ folded.T`` (export layout)."""
+        return self.fc.weight / self.tap_scale.to(self.fc.weight.dtype)[None, :]
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -187,7 +210,7 @@ class Eagle3Head(nn.Module):
             rows whose inputs fall past the sequence are garbage and must be masked by the caller).
         """
         b, t_len, _ = embeds.shape
-        feats = self.fc(taps)
+        feats = self.fuse(taps)
         pos = torch.arange(t_len, device=embeds.device)
         causal = torch.ones(t_len, t_len, dtype=torch.bool, device=embeds.device).tril()
         attn_mod = self.midlayer.self_attn
