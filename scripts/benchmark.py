@@ -50,7 +50,8 @@ def main(argv=None) -> None:
     if args.resummarise:
         with open(args.out + ".json") as f:
             stored = json.load(f)
-        write(args.out, stored["args"], benchmark.from_rows(stored["records"]), stored.get("command", ""), args.title)
+        write(args.out, stored["args"], benchmark.from_rows(stored["records"]), stored.get("command", ""),
+              args.title or stored["args"].get("title", ""), stored.get("provenance"))
         return
     if args.resume and not args.out:
         ap.error("--resume needs --out")
@@ -118,19 +119,24 @@ def provenance() -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
-def write(out: str, args: dict, records, command: str, title: str = "") -> None:
-    """Write <out>.json (args, command, summary, records), <out>.md (command + table) and plots."""
+def write(out: str, args: dict, records, command: str, title: str = "", prov: dict | None = None) -> None:
+    """Write <out>.json (args, command, provenance, summary, records), <out>.md (command + table),
+    <out>_overall.md (command + the overall rows only) and plots. ``prov``: the run's stored
+    provenance when re-summarising (default: this process's)."""
     summary = benchmark.summarise(records)
     table = benchmark.markdown_table(summary)
     print(table)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tmp = out + ".json.tmp"
     with open(tmp, "w") as f:
-        json.dump({"args": args, "command": command, "provenance": provenance(), "summary": summary,
+        json.dump({"args": args, "command": command, "provenance": prov or provenance(), "summary": summary,
                    "records": benchmark.as_rows(records)}, f, indent=1)
     os.replace(tmp, out + ".json")
     with open(out + ".md", "w") as f:
         f.write(f"`{command}`\n\n{table}\n")
+    overall = benchmark.markdown_table({"overall": summary["overall"]})
+    with open(out + "_overall.md", "w") as f:
+        f.write(f"`{command}`\n\n{overall}\n")
     benchmark.plot(summary, out, title)
 
 

@@ -84,15 +84,46 @@ def bf16_is_fast(device: str = "cpu") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+_BF16_FASTER: dict[str, bool] = {}
+
+
+def bf16_faster_here(device: str = "cpu") -> bool:
+    """Measured once per process: do decode-shaped matmuls (one row against a 2048 x 576 and a
+    32768 x 576 weight) run faster in bfloat16 than in float32 here? CPUs differ: on the AMD EPYC
+    of shared/docs/ENVIRONMENT.md bf16 decoding was 1.5x faster, on this Intel Xeon (AMX) plain
+    bf16 decoding measured slower than float32 (docs/benchmarks.md)."""
+    key = str(device)
+    if key not in _BF16_FASTER:
+        if not bf16_is_fast(device):
+            _BF16_FASTER[key] = False
+        else:
+            import time
+
+            def seconds(dtype):
+                x = torch.randn(1, 576, dtype=dtype, device=device)
+                ws = [torch.randn(n, 576, dtype=dtype, device=device) for n in (2048, 32768)]
+                for w in ws:  # warm-up
+                    torch.nn.functional.linear(x, w)
+                t = time.perf_counter()
+                for _ in range(10):
+                    for w in ws:
+                        torch.nn.functional.linear(x, w)
+                return time.perf_counter() - t
+
+            _BF16_FASTER[key] = seconds(torch.bfloat16) < 0.8 * seconds(torch.float32)
+    return _BF16_FASTER[key]
+
+
 def resolve_dtype(dtype, device: str = "cpu") -> torch.dtype:
-    """``None`` / ``"float32"`` -> float32; ``"auto"`` -> the fastest exact-enough setting here
-    (bfloat16 where :func:`bf16_is_fast`, else float32); names and torch dtypes pass through."""
+    """``None`` / ``"float32"`` -> float32; ``"auto"`` -> bfloat16 where it runs natively and
+    measures faster here (:func:`bf16_faster_here`), else float32; names and torch dtypes pass
+    through."""
     if dtype is None:
         return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if bf16_is_fast(device) else torch.float32
+        return torch.bfloat16 if bf16_faster_here(device) else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
     return DTYPES[dtype]
@@ -105,8 +136,8 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
         name_or_path: an alias (see :data:`ALIASES`), a local HF folder, a local ``.gguf`` file,
             or a hub id (online only).
         dtype: parameter dtype (a torch dtype or its name); default float32 (GGUF files are
-            dequantised to it); ``"auto"``: bfloat16 where this hardware runs it natively (about
-            1.5x faster decoding on this CPU), else float32.
+            dequantised to it); ``"auto"``: bfloat16 where this hardware runs it natively and it
+            measures faster, else float32.
         device: default ``"cuda"`` when available, else ``"cpu"``.
 
     Returns:

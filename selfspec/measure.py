@@ -70,16 +70,19 @@ class Divergence:
         rounding_gap: the largest difference, over those two tokens, between the logits of one
             batched pass over the sequence and of sequential one-token passes (how far the two
             kernels' rounding moves these logits here).
-        explained: ``margin <= 2 * rounding_gap``: a near-tie the dtype's rounding can flip.
+        ulp: the spacing of the model dtype's numbers at the top logit's magnitude (a difference
+            of one ulp is the smallest rounding can make).
+        explained: ``margin <= 2 * max(rounding_gap, ulp)``: a near-tie the dtype's rounding can flip.
     """
 
     position: int
     margin: float
     rounding_gap: float
+    ulp: float = 0.0
 
     @property
     def explained(self) -> bool:
-        return self.margin <= 2 * self.rounding_gap
+        return self.margin <= 2 * max(self.rounding_gap, self.ulp)
 
 
 @torch.no_grad()
@@ -106,4 +109,7 @@ def divergence(model, plain: torch.Tensor, spec: torch.Tensor, prompt_len: int) 
     top = sequential.topk(2)
     pair = top.indices
     gap = float((sequential[pair] - batched[pair]).abs().max())
-    return Divergence(pos - prompt_len, float(top.values[0] - top.values[1]), gap)
+    dtype = next(model.parameters()).dtype
+    top1 = float(top.values[0].abs().clamp_min(torch.finfo(dtype).tiny))
+    ulp = torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(torch.tensor(top1))).item()
+    return Divergence(pos - prompt_len, float(top.values[0] - top.values[1]), gap, float(ulp))

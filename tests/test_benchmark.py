@@ -91,3 +91,15 @@ def test_benchmark_smoke_with_peers_schema_and_resume(tmp_path):
     again = benchmark.run(model, tok, questions, {name: counting if name == "hf-greedy" else m for name, m in methods.items()},
                           max_new_tokens=8, progress=False, done=done)
     assert len(again) == 15 and len(calls) == 2  # the warm-up call and the one remaining turn
+
+
+def test_docs_tables_match_their_result_files():
+    """Every result block embedded in the docs equals the result file it names."""
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("render_docs", root / "scripts" / "render_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["docs/benchmarks.md", "README.md", "--check"]) == 0

@@ -62,6 +62,8 @@ class Eagle3TrainConfig:
         max_len: longest example (tokens) used; longer ones are cut.
         tokens_per_batch: padded tokens per training batch (examples are bucketed by length).
         target_dtype: dtype of the frozen target's feature pass (``float32`` / ``bfloat16``).
+        init: ``exit`` (the head starts as the target's early exit at its highest tap, see
+            ``Eagle3Recipe._init_from_target``) or ``random`` (fc and mid layer randomly initialised).
         export: where the final drafter checkpoint is written (``null`` to skip).
     """
 
@@ -77,6 +79,7 @@ class Eagle3TrainConfig:
     max_len: int = 768
     tokens_per_batch: int = 4096
     target_dtype: str = "float32"
+    init: str = "exit"
     export: str | None = None
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20, epochs=1.0, batch_size=0))
     run: RunConfig = field(default_factory=lambda: RunConfig(out_dir="runs/eagle3-smollm2"))
@@ -86,6 +89,8 @@ class Eagle3TrainConfig:
             raise ValueError("Eagle3TrainConfig is for recipe 'train_heads' with kind 'eagle3'")
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.init not in ("exit", "random"):
+            raise ValueError(f"init must be 'exit' or 'random', got {self.init!r}")
         if self.target_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"target_dtype must be float32, bfloat16 or float16, got {self.target_dtype!r}")
         if self.run.wandb_mode not in ("offline", "disabled", "online"):
@@ -179,13 +184,23 @@ class Eagle3Recipe:
 
     @torch.no_grad()
     def _init_from_target(self) -> None:
-        """LM head rows and final norm from the target (a head that starts out as a useful guess)."""
+        """LM head rows and final norm from the target; with ``init: exit`` also a head that starts
+        as the target's early exit at its highest tap: ``fc`` passes that tap through and the mid
+        layer's output projections are zero, so the first draft is the target's own guess from
+        that layer (the residual stream stays in the LM head's space, as Medusa's zero-initialised
+        blocks do) and training only has to learn the step to the token after."""
         head = self.head
         target_head = self.model.get_output_embeddings().weight
         head.lm_head.weight.copy_(target_head[head.draft_ids.to(target_head.device)].float())
         norm = getattr(self.model.get_decoder(), "norm", None)
         if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == head.norm.weight.shape:
             head.norm.weight.copy_(norm.weight.float())
+        if self.cfg.init == "exit":
+            h = head.fc.weight.shape[0]
+            head.fc.weight.zero_()
+            head.fc.weight[:, -h:] = torch.eye(h)  # times tap_scale once measured (see _measure_tap_scale)
+            head.midlayer.self_attn.o_proj.weight.zero_()
+            head.midlayer.mlp.down_proj.weight.zero_()
 
     @torch.no_grad()
     def _measure_tap_scale(self, examples: int = 16) -> None:
@@ -197,6 +212,8 @@ class Eagle3Recipe:
         keep = (torch.arange(ids.shape[1])[None] < lengths[:, None]) & (torch.arange(ids.shape[1])[None] > 0)
         rms = taps[keep.to(taps.device)].float().pow(2).mean(0).sqrt()
         self.head.tap_scale.copy_(rms.clamp_min(float(rms.median()) * 1e-3))
+        if self.cfg.init == "exit":  # keep fc(taps / tap_scale) == the highest tap
+            self.head.fc.weight.mul_(self.head.tap_scale[None, :])
 
     def _bucket(self, examples: list[dict]) -> list[list[int]]:
         """Example indices grouped by length into batches of at most ``tokens_per_batch`` padded

@@ -121,3 +121,8 @@ class Drafter(ABC):
 
     def observe(self, ctx: DraftContext, tree: DraftTree, verdict: Verdict) -> None:
         """Called after each verification (for adaptive drafters); default does nothing."""
+
+    def skip(self, ctx: DraftContext) -> None:
+        """Called instead of :meth:`propose` when a caller (a union) does not need this drafter's
+        tree this step: a drafter that must see every step (e.g. the taps in ``ctx.features``)
+        catches up here; default does nothing."""

@@ -131,6 +131,10 @@ class Eagle3Drafter(Drafter):
         self._last = out[-1:]
         return self._last
 
+    def skip(self, ctx: DraftContext) -> None:
+        """Not drafting this step (inside a union): still take in the new committed positions."""
+        self.catch_up(ctx.tokens, ctx.features)
+
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> DraftTree:
         root_out = self.catch_up(ctx.tokens, ctx.features)

@@ -12,6 +12,15 @@ value never exceeds its parent's) while the value is at least ``min_value`` and 
 nodes of one member no longer crowd out a strong member's draft, and nodes
 that would rarely be accepted are not verified at all, so the union does not pay for them.
 
+A merge still pays every member's drafting time and verify budget, so it can lose to one of its
+members alone (a weak member's heads cost milliseconds every step on a CPU). The union therefore
+chooses per step among *arms*: each member alone, or the merge of all, by measured output tokens
+per second of the steps each arm ran (time from one proposal to the next, steps interrupted by
+plain steps of an adaptive policy are not counted); every ``probe_every`` steps it tries the next
+arm in turn so all estimates stay current. Members not asked in a step are told to ``skip`` it (so
+feature-reading drafters stay in sync). Which arm drafts depends only on measured past steps, never
+on the current draws, so every step stays exact.
+
 Only point-mass trees can be merged: a sampled child carries a law tied to its own siblings,
 which a merge would break; members that can sample are asked for point-mass trees.
 """
@@ -19,6 +28,8 @@ which a merge would break; members that can sample are asked for point-mass tree
 from __future__ import annotations
 
 import torch
+
+import time
 
 from ..tree import DraftTree, Law, TreeBuilder
 from ..verify import Verdict
@@ -31,7 +42,7 @@ class UnionDrafter(Drafter):
     kind = "union"
 
     def __init__(self, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05,
-                 decay: float = 0.98):
+                 decay: float = 0.98, probe_every: int = 8, rate_ema: float = 0.2):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes is None:  # never verify more nodes than the largest member would on its own
@@ -52,14 +63,41 @@ class UnionDrafter(Drafter):
         self.hits: dict[tuple[int, int, int], float] = {}  # (member, depth, rank) -> decayed hits
         self.tests: dict[tuple[int, int, int], float] = {}
         self._sources: list[list[tuple[int, int, int]]] = []  # union node -> its (member, depth, rank)s
+        # arms: each member alone, then all merged; measured output tokens per second of each
+        self.arms: list[tuple[int, ...]] = [(i,) for i in range(len(members))] if len(members) > 1 else []
+        self.arms.append(tuple(range(len(members))))
+        self.arm_rate: list[float | None] = [None] * len(self.arms)
+        self.probe_every, self.rate_ema = probe_every, rate_ema
+        self._steps, self._arm, self._pending = 0, len(self.arms) - 1, None
 
     def check_target(self, model) -> None:
         for m in self.members:
             m.check_target(model)
 
     def reset(self) -> None:
+        self._pending = None  # a new generation: no step to time across the gap
         for m in self.members:
             m.reset()
+
+    def _choose_arm(self, ctx: DraftContext) -> int:
+        """Close the timing of the previous step, then pick this step's arm."""
+        now = time.perf_counter()
+        if self._pending is not None:
+            arm, start, length, tokens = self._pending
+            if ctx.tokens.shape[0] == length + tokens and now > start:  # no plain step in between
+                rate = tokens / (now - start)
+                old = self.arm_rate[arm]
+                self.arm_rate[arm] = rate if old is None else (1 - self.rate_ema) * old + self.rate_ema * rate
+        self._steps += 1
+        unknown = [a for a, r in enumerate(self.arm_rate) if r is None]
+        if unknown:
+            arm = unknown[0]
+        elif self._steps % self.probe_every == 0:
+            arm = (self._steps // self.probe_every) % len(self.arms)
+        else:
+            arm = max(range(len(self.arms)), key=lambda a: self.arm_rate[a])
+        self._pending = (arm, now, ctx.tokens.shape[0], 0)
+        return arm
 
     def rate(self, member: int, depth: int, rank: int) -> float:
         """Measured acceptance of the member's rank-``rank`` child at ``depth`` (given its parent
@@ -68,9 +106,16 @@ class UnionDrafter(Drafter):
         return (self.hits.get(key, 0.0) + 1.0) / (self.tests.get(key, 0.0) + 1.5)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
+        self._arm = self._choose_arm(ctx)
+        chosen = set(self.arms[self._arm])
+        for m, member in enumerate(self.members):
+            if m not in chosen:
+                member.skip(ctx)
         # candidate trie: key (union parent key, token) -> [value, sources]; the root's key is ()
         trie: dict[tuple, list] = {}
         for m, member in enumerate(self.members):
+            if m not in chosen:
+                continue
             tree = member.propose(ctx)
             if bool((tree.laws[1:] != Law.POINT).any()):
                 raise ValueError(f"{member.kind} drafted sampled children, which a union cannot merge")
@@ -89,8 +134,9 @@ class UnionDrafter(Drafter):
         ranked = sorted(trie.items(), key=lambda kv: (-kv[1][0], len(kv[0])))
         builder, index = TreeBuilder(ctx.root_token), {(): 0}
         self._sources = [[]]
-        chosen = [k for k, (v, _) in ranked if v >= self.min_value][: self.max_nodes]
-        for k in sorted(chosen, key=len):  # parents first; a parent's value >= its child's
+        floor = self.min_value if len(chosen) > 1 else 0.0  # a member alone drafts its own tree
+        kept = [k for k, (v, _) in ranked if v >= floor][: self.max_nodes]
+        for k in sorted(kept, key=len):  # parents first; a parent's value >= its child's
             if k[:-1] in index:
                 index[k] = builder.add(index[k[:-1]], k[-1])
                 self._sources.append(trie[k][1])
@@ -99,6 +145,9 @@ class UnionDrafter(Drafter):
     def observe(self, ctx: DraftContext, tree: DraftTree, verdict: Verdict) -> None:
         """Update each member's acceptance rates: every proposed node whose parent was accepted was
         tested; it was a hit if it is on the accepted path."""
+        if self._pending is not None:
+            arm, start, length, _ = self._pending
+            self._pending = (arm, start, length, verdict.num_accepted + 1)
         for key in self.tests:
             self.tests[key] *= self.decay
             self.hits[key] = self.hits.get(key, 0.0) * self.decay
@@ -110,5 +159,5 @@ class UnionDrafter(Drafter):
                     self.tests[src] = self.tests.get(src, 0.0) + 1.0
                     if node in accepted:
                         self.hits[src] = self.hits.get(src, 0.0) + 1.0
-        for m in self.members:
-            m.observe(ctx, tree, verdict)
+        for m in self.arms[self._arm]:
+            self.members[m].observe(ctx, tree, verdict)
