@@ -79,7 +79,7 @@ class Eagle3TrainConfig:
     max_len: int = 768
     tokens_per_batch: int = 4096
     target_dtype: str = "float32"
-    init: str = "exit"
+    init: str = "random"
     export: str | None = None
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20, epochs=1.0, batch_size=0))
     run: RunConfig = field(default_factory=lambda: RunConfig(out_dir="runs/eagle3-smollm2"))
