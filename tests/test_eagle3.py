@@ -4,7 +4,6 @@ resume, export round trip."""
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from selfspec.sampling import SamplingConfig, target_probs
 from selfspec.taps import capture_taps
 from selfspec.target import TreeTarget
 from test_distribution import _stale_bonus, chi_square_ok
+from test_layerskip import _exact_law  # same 6-token vocabulary, prompt and 3 new tokens
 from tiny_models import FAMILIES, tiny_model
 
 PROMPT = torch.tensor([[3, 9, 27, 3, 9, 27, 3, 9, 5, 11]])
@@ -154,20 +154,6 @@ def _peaked_model():
     with torch.no_grad():
         model.lm_head.weight.mul_(6)
     return model
-
-
-def _exact_law(model, cfg):
-    law = {}
-    for seq in itertools.product(range(VOCAB), repeat=NEW):
-        ids = torch.tensor([DIST_PROMPT + list(seq)])
-        with torch.no_grad():
-            probs = target_probs(model(ids).logits[0], cfg)
-        p = 1.0
-        for i, tok in enumerate(seq):
-            p *= float(probs[len(DIST_PROMPT) - 1 + i, tok])
-        if p > 0:
-            law[seq] = p
-    return law
 
 
 def _counts(model, cfg, drafter):

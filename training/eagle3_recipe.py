@@ -38,7 +38,7 @@ from selfspec.lm_head import lm_logits
 from selfspec.taps import capture_taps
 
 from .config import dump_config
-from .heads_recipe import OptimConfig, RunConfig
+from .heads_recipe import OptimConfig, RunConfig, lr_at
 from .state import read_train_state, write_train_state
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -291,11 +291,7 @@ class Eagle3Recipe:
 
     # ---------------------------------------------------------------- train
     def _lr(self, step: int) -> float:
-        o = self.cfg.optim
-        if step < o.warmup_steps:
-            return o.lr * (step + 1) / o.warmup_steps
-        progress = (step - o.warmup_steps) / max(1, self.total_steps - o.warmup_steps)
-        return o.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+        return lr_at(self.cfg.optim, step, self.total_steps)
 
     def train(self, stop_at: int | None = None) -> None:
         """Train to the end (or up to step ``stop_at``, as if the run were interrupted there)."""

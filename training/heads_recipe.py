@@ -56,6 +56,14 @@ class OptimConfig:
     grad_clip: float = 1.0
 
 
+def lr_at(o: OptimConfig, step: int, total_steps: int) -> float:
+    """Linear warm-up to ``o.lr``, then cosine decay to 10% at ``total_steps``."""
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = (step - o.warmup_steps) / max(1, total_steps - o.warmup_steps)
+    return o.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
 @dataclass
 class RunConfig:
     """Bookkeeping.
@@ -214,11 +222,7 @@ class HeadsRecipe:
 
     # ---------------------------------------------------------------- train
     def _lr(self, step: int) -> float:
-        o = self.cfg.optim
-        if step < o.warmup_steps:
-            return o.lr * (step + 1) / o.warmup_steps
-        progress = (step - o.warmup_steps) / max(1, self.total_steps - o.warmup_steps)
-        return o.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+        return lr_at(self.cfg.optim, step, self.total_steps)
 
     @property
     def num_outputs(self) -> int:
