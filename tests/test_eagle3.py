@@ -52,6 +52,8 @@ def _trained(model, tmp_path, steps=60, **eagle3):
     cfg.optim.epochs = steps / max(1, len(Eagle3Recipe(cfg)._bucket(examples)))
     recipe = Eagle3Recipe(cfg, model=model, tokenizer=None, examples=examples)
     recipe.setup()
+    if steps == 0:
+        return recipe.drafter, recipe
     recipe.train()
     drafter = recipe.drafter
     drafter.head.to(torch.float64).eval()
@@ -218,6 +220,25 @@ def test_bad_options_are_refused():
         build_drafter(model, "eagle3", taps=[1, 2, 99])
     with pytest.raises(ValueError, match="cannot change"):
         build_drafter(model, "eagle3", draft_vocab_size=16).with_options(draft_vocab_size=8)
+
+
+def test_batched_loss_is_the_mean_of_per_example_losses(tmp_path):
+    """Each example in a padded batch learns its own target law (regression: a [1, T] gather index
+    once made every row learn example 0's law, and training stalled at unigram level)."""
+    model = tiny_model("llama", layers=5)
+    _, recipe = _trained(model, tmp_path, steps=0)
+    batch = recipe.train_set[:4]
+    assert len({len(e["prompt_ids"]) + len(e["response_ids"]) for e in batch}) > 1  # padding involved
+    with torch.no_grad():
+        _, per_step, stats = recipe._losses(batch)
+        alone = [recipe._losses([e]) for e in batch]
+    for j in range(recipe.cfg.ttt_steps):
+        counts = torch.tensor([a[2][j][2] for a in alone])
+        assert stats[j][2] == pytest.approx(float(counts.sum()))
+        mean = sum(a[1][j] * c for a, c in zip(alone, counts.tolist())) / float(counts.sum())
+        assert per_step[j] == pytest.approx(mean, rel=1e-4)
+        assert stats[j][0] == pytest.approx(sum(a[2][j][0] for a in alone))  # top-1 agreement
+        assert stats[j][1] == pytest.approx(sum(a[2][j][1] for a in alone), rel=1e-4)  # T=1 acceptance
 
 
 def test_training_learns_and_resumes_exactly(tmp_path):

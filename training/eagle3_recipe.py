@@ -270,10 +270,10 @@ class Eagle3Recipe:
         with torch.no_grad():
             embeds = self.model.get_input_embeddings()(ids.to(self.acc.device)).to(dtype)
         step_logits = self.head(taps, embeds, self.cfg.ttt_steps)  # through the prepared module
-        t = torch.arange(ids.shape[1])[None]
+        t = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)  # [B, T]: gather needs every row
         losses, stats = [], []
         for j, logits in enumerate(step_logits):
-            src = t + j + 1  # position whose law step j learns
+            src = t + j + 1  # [B, T] position whose law step j learns
             valid = ((src < lengths[:, None]) & (src >= prompts[:, None] - 1)).to(self.acc.device)
             idx = src.clamp_max(ids.shape[1] - 1).to(self.acc.device)
             p = logp.gather(1, idx[..., None].expand(-1, -1, logp.shape[-1])).exp()  # [B, T, V_d]
