@@ -114,16 +114,18 @@ def decode(
     eos: set[int],
     context_limit: int,
     policy: AdaptivePolicy | None = None,
+    clock=time.perf_counter,
 ) -> SpecOutput:
     """The speculative loop over an already validated prompt.
 
     ``target`` is anything with ``prefill``, ``forward_tree``, ``commit`` and ``prefix_len`` like
     :class:`TreeTarget` (tests plug in cheap table-driven targets). ``ids``: ``[L]`` on the CPU.
-    ``policy`` (optional) decides per step whether to draft and how deep.
+    ``policy`` (optional) decides per step whether to draft and how deep, from step times read
+    off ``clock`` (seconds; tests inject a deterministic one).
     """
     stats = SpecStats()
     share = drafter is not None and drafter.shares_target_cache and getattr(target, "supports_handoff", False)
-    start = time.perf_counter()
+    start = clock()
     tokens = torch.empty(ids.shape[0] + max_new_tokens, dtype=torch.long)
     tokens[: ids.shape[0]] = ids
     length = ids.shape[0]
@@ -133,14 +135,14 @@ def decode(
     root_hidden = pre.hidden[-1] if pre.hidden is not None else None
     features = pre.taps  # taps of committed positions the drafter has not seen yet
     _sync(target)
-    stats.prefill_time_s = time.perf_counter() - start
+    stats.prefill_time_s = clock() - start
     finish = "length"
     while stats.new_tokens < max_new_tokens:
         budget = min(max_new_tokens - stats.new_tokens, context_limit - length)
         if budget < 1:
             finish = "context"
             break
-        t0 = time.perf_counter()
+        t0 = clock()
         speculate = drafter is not None and budget > 1 and (policy is None or policy.speculate())
         depth = policy.max_depth(budget - 1) if policy is not None else budget - 1
         ctx = DraftContext(tokens[:length], root_hidden, depth, cfg, gen, target.cache if share else None,
@@ -148,13 +150,13 @@ def decode(
         tree = _checked(drafter.propose(ctx), ctx) if speculate else DraftTree.root_only(int(tokens[length - 1]))
         if speculate:
             features = None
-        t1 = time.perf_counter()
+        t1 = clock()
         prefix = target.prefix_len
         scored = target.forward_tree(tree, ctx.handoff) if ctx.handoff is not None else target.forward_tree(tree)
         verdict = verify_tree(tree, scored.logits, cfg, gen)
         target.commit(verdict.path, prefix)
         _sync(target)
-        t2 = time.perf_counter()
+        t2 = clock()
         new = tree.tokens[verdict.path[1:]].tolist() + [verdict.next_token]
         cut = next((i + 1 for i, t in enumerate(new) if t in eos), None)
         new = new[:cut]
@@ -181,7 +183,7 @@ def decode(
         if cut is not None:
             finish = "eos"
             break
-    stats.wall_time_s = time.perf_counter() - start
+    stats.wall_time_s = clock() - start
     return SpecOutput(tokens[None, :length].clone(), stats, finish)
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -19,9 +17,25 @@ from stubs import OracleDrafter, TableTarget
 PASS_S = 0.002  # a target pass costs about the same for 1 or 6 nodes, as on real hardware
 
 
+class VirtualClock:
+    """Deterministic time: only the stubs below advance it (no sleeps, no load sensitivity)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+CLOCK = VirtualClock()
+
+
 class TimedTarget(TableTarget):
     def forward_tree(self, tree, handoff=None):
-        time.sleep(PASS_S)
+        CLOCK.advance(PASS_S)
         return super().forward_tree(tree)
 
 
@@ -127,7 +141,7 @@ class SlowWrongDrafter(Drafter):
         self.target = target
 
     def propose(self, ctx: DraftContext):
-        time.sleep(2 * PASS_S)
+        CLOCK.advance(2 * PASS_S)
         logits = self.target.logits_after(ctx.tokens.tolist())
         b = TreeBuilder(ctx.root_token)
         b.add(0, int(logits.argmin()))
@@ -136,10 +150,10 @@ class SlowWrongDrafter(Drafter):
 
 def test_adaptive_fallback_engages_and_leaves_output_unchanged():
     cfg, prompt = SamplingConfig(0.0), torch.tensor([1, 2])
-    plain = decode(table_target(), prompt, None, cfg, torch.Generator(), 60, set(), 1000)
+    plain = decode(table_target(), prompt, None, cfg, torch.Generator(), 60, set(), 1000, clock=CLOCK)
     target = table_target()
     out = decode(target, prompt, SlowWrongDrafter(target), cfg, torch.Generator(), 60, set(), 1000,
-                 AdaptivePolicy(AdaptiveConfig(probe=3, backoff=8)))
+                 AdaptivePolicy(AdaptiveConfig(probe=3, backoff=8)), clock=CLOCK)
     assert torch.equal(out.sequences, plain.sequences)
     assert out.stats.fallbacks >= 1 and out.stats.plain_steps > out.stats.steps // 2
 
@@ -148,6 +162,6 @@ def test_adaptive_keeps_speculating_when_drafts_pay():
     cfg, prompt = SamplingConfig(0.0), torch.tensor([1, 2])
     reference = decode(table_target(), prompt, None, cfg, torch.Generator(), 120, set(), 1000).sequences[0].tolist()
     out = decode(table_target(), prompt, OracleDrafter(reference, 6, depth=5, sibling=False), cfg, torch.Generator(),
-                 100, set(), 1000, AdaptivePolicy())
+                 100, set(), 1000, AdaptivePolicy(), clock=CLOCK)
     assert out.sequences[0].tolist() == reference[:102]
     assert out.stats.fallbacks == 0 and out.stats.plain_steps <= 2

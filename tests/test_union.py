@@ -11,12 +11,19 @@ from selfspec.sampling import SamplingConfig
 from stubs import OracleDrafter, table_target
 
 
+def step_clock():
+    """A deterministic clock: every reading advances it by one second (so every step takes the
+    same time and an arm's measured rate is its tokens per step)."""
+    ticks = iter(range(10**9))
+    return lambda: float(next(ticks))
+
+
 def test_weak_member_nodes_are_dropped_and_output_is_exact():
     cfg, prompt = SamplingConfig(0.0), torch.tensor([1, 2])
     reference = decode(table_target(), prompt, None, cfg, torch.Generator(), 260, set(), 1000).sequences[0].tolist()
     good = OracleDrafter(reference, 6, depth=4, sibling=False)
     bad = OracleDrafter(reference, 6, depth=6, sibling=False, corrupt=lambda pos, tok: (tok + 1) % 6)
-    union = UnionDrafter([bad, good], max_nodes=10)
+    union = UnionDrafter([bad, good], max_nodes=10, clock=step_clock())
     out = decode(table_target(), prompt, union, cfg, torch.Generator(), 240, set(), 1000)
     assert out.sequences[0].tolist() == reference[:242]
     # the always-wrong member's acceptance and its arm's tokens/s are measured as the worst; the
@@ -55,3 +62,28 @@ def test_members_outside_the_chosen_arm_are_told_to_skip():
     assert out.sequences[0].tolist() == reference[:42]
     # every drafting step asks it one or the other (the last, one-token step drafts nothing)
     assert seen["skip"] > 0 and seen["propose"] > 0 and out.stats.steps - 1 <= seen["skip"] + seen["propose"] <= out.stats.steps
+
+
+def test_arm_speeds_are_kept_per_context_state():
+    """Each member is right in alternate stretches of the output, and says so through its
+    ``context_key``: the union measures arms per state and prefers the member that pays there."""
+    cfg, prompt = SamplingConfig(0.0), torch.tensor([1, 2])
+    reference = decode(table_target(), prompt, None, cfg, torch.Generator(), 420, set(), 1000).sequences[0].tolist()
+
+    def good_in(phase):
+        return lambda pos, tok: tok if (pos // 40) % 2 == phase else (tok + 1) % 6
+
+    class Keyed(OracleDrafter):
+        def __init__(self, phase):
+            super().__init__(reference, 6, depth=5, sibling=False, corrupt=good_in(phase))
+            self.phase = phase
+
+        def context_key(self, ctx):
+            return int((ctx.tokens.shape[0] // 40) % 2 == self.phase)
+
+    union = UnionDrafter([Keyed(0), Keyed(1)], max_nodes=5, probe_every=1000, clock=step_clock())
+    out = decode(table_target(), prompt, union, cfg, torch.Generator(), 400, set(), 1000)
+    assert out.sequences[0].tolist() == reference[:402]
+    assert set(union.rates) == {(1, 0), (0, 1)}
+    a_good, b_good = union.rates[(1, 0)], union.rates[(0, 1)]
+    assert a_good[0] > a_good[1] and b_good[1] > b_good[0]  # member 0 alone wins where it is right

@@ -122,6 +122,13 @@ class Drafter(ABC):
     def observe(self, ctx: DraftContext, tree: DraftTree, verdict: Verdict) -> None:
         """Called after each verification (for adaptive drafters); default does nothing."""
 
+    def context_key(self, ctx: DraftContext) -> int:
+        """A cheap, deterministic summary of how promising this context looks to this drafter
+        (e.g. prompt lookup: the longest n-gram that matched), computed from committed tokens only.
+        A union measures each arm's speed per combination of its members' keys, so it can prefer a
+        member exactly where that member pays. Default: 0 (no signal)."""
+        return 0
+
     def skip(self, ctx: DraftContext) -> None:
         """Called instead of :meth:`propose` when a caller (a union) does not need this drafter's
         tree this step: a drafter that must see every step (e.g. the taps in ``ctx.features``)

@@ -75,6 +75,17 @@ class NgramDrafter(Drafter):
                 break
         return builder.build()
 
+    def context_key(self, ctx: DraftContext) -> int:
+        """The longest suffix length ``n`` (``min_ngram..max_ngram``) that occurs earlier in the
+        context, 0 when none does: longer matches are accepted far more often."""
+        tokens = ctx.tokens.cpu()
+        length = tokens.shape[0]
+        for n in range(min(self.config.max_ngram, length - 1), self.config.min_ngram - 1, -1):
+            windows = tokens[: length - 1].unfold(0, n, 1)
+            if bool((windows == tokens[length - n:]).all(-1).any()):
+                return n
+        return 0
+
     def _match_ends(self, tokens: torch.Tensor):
         """Yield distinct continuation starts, longest n-gram first, most recent first."""
         length = tokens.shape[0]

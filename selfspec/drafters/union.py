@@ -16,10 +16,14 @@ A merge still pays every member's drafting time and verify budget, so it can los
 members alone (a weak member's heads cost milliseconds every step on a CPU). The union therefore
 chooses per step among *arms*: each member alone, or the merge of all, by measured output tokens
 per second of the steps each arm ran (time from one proposal to the next, steps interrupted by
-plain steps of an adaptive policy are not counted); every ``probe_every`` steps it tries the next
-arm in turn so all estimates stay current. Members not asked in a step are told to ``skip`` it (so
-feature-reading drafters stay in sync). Which arm drafts depends only on measured past steps, never
-on the current draws, so every step stays exact.
+plain steps of an adaptive policy are not counted). Speeds are kept per *context state*, the tuple
+of the members' :meth:`~selfspec.drafters.base.Drafter.context_key` (prompt lookup: the longest
+n-gram that matched), because which arm wins depends on the context: prompt lookup alone is best
+while the output copies its context (extraction, code edits), a trained head where nothing
+matches. Within a state, every ``probe_every`` steps it tries the next arm in turn so all
+estimates stay current. Members not asked in a step are told to ``skip`` it (so feature-reading
+drafters stay in sync). Which arm drafts depends only on committed tokens and measured past steps,
+never on the current draws, so every step stays exact.
 
 Only point-mass trees can be merged: a sampled child carries a law tied to its own siblings,
 which a merge would break; members that can sample are asked for point-mass trees.
@@ -27,9 +31,9 @@ which a merge would break; members that can sample are asked for point-mass tree
 
 from __future__ import annotations
 
-import torch
-
 import time
+
+import torch
 
 from ..tree import DraftTree, Law, TreeBuilder
 from ..verify import Verdict
@@ -37,12 +41,22 @@ from .base import DraftContext, Drafter
 
 
 class UnionDrafter(Drafter):
-    """Merges the trees of ``members`` (all proposing point-mass children) by measured value."""
+    """Merges the trees of ``members`` (all proposing point-mass children) by measured value.
+
+    Args:
+        members: the drafters (their sampled trees are asked for as point-mass trees).
+        max_nodes: node budget of a merged tree (default: the largest member's).
+        min_value: merged nodes whose estimated acceptance is below it are not verified.
+        decay: per-step decay of the acceptance counts.
+        probe_every: within a context state, every this many steps the next arm is tried.
+        rate_ema: weight of a new step in an arm's tokens/s estimate.
+        clock: seconds as a float (default ``time.perf_counter``; tests inject a step clock).
+    """
 
     kind = "union"
 
     def __init__(self, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05,
-                 decay: float = 0.98, probe_every: int = 8, rate_ema: float = 0.2):
+                 decay: float = 0.98, probe_every: int = 8, rate_ema: float = 0.2, clock=time.perf_counter):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes is None:  # never verify more nodes than the largest member would on its own
@@ -66,9 +80,16 @@ class UnionDrafter(Drafter):
         # arms: each member alone, then all merged; measured output tokens per second of each
         self.arms: list[tuple[int, ...]] = [(i,) for i in range(len(members))] if len(members) > 1 else []
         self.arms.append(tuple(range(len(members))))
-        self.arm_rate: list[float | None] = [None] * len(self.arms)
-        self.probe_every, self.rate_ema = probe_every, rate_ema
-        self._steps, self._arm, self._pending = 0, len(self.arms) - 1, None
+        self.rates: dict[tuple[int, ...], list[float | None]] = {}  # context state -> tokens/s per arm
+        self.state_steps: dict[tuple[int, ...], int] = {}
+        self.probe_every, self.rate_ema, self.clock = probe_every, rate_ema, clock
+        self._state: tuple[int, ...] = ()
+        self._arm, self._pending = len(self.arms) - 1, None
+
+    @property
+    def arm_rate(self) -> list[float | None]:
+        """Measured tokens/s of each arm in the context state of the latest step."""
+        return self.rates.get(self._state, [None] * len(self.arms))
 
     def check_target(self, model) -> None:
         for m in self.members:
@@ -81,22 +102,25 @@ class UnionDrafter(Drafter):
 
     def _choose_arm(self, ctx: DraftContext) -> int:
         """Close the timing of the previous step, then pick this step's arm."""
-        now = time.perf_counter()
         if self._pending is not None:
-            arm, start, length, tokens = self._pending
+            state, arm, start, length, tokens = self._pending
+            now = self.clock()
             if ctx.tokens.shape[0] == length + tokens and now > start:  # no plain step in between
                 rate = tokens / (now - start)
-                old = self.arm_rate[arm]
-                self.arm_rate[arm] = rate if old is None else (1 - self.rate_ema) * old + self.rate_ema * rate
-        self._steps += 1
-        unknown = [a for a, r in enumerate(self.arm_rate) if r is None]
+                rates = self.rates[state]
+                rates[arm] = rate if rates[arm] is None else (1 - self.rate_ema) * rates[arm] + self.rate_ema * rate
+        start = self.clock()  # the state's own cost counts towards the step it decides
+        state = self._state = tuple(m.context_key(ctx) for m in self.members) if len(self.arms) > 1 else ()
+        rates = self.rates.setdefault(state, [None] * len(self.arms))
+        steps = self.state_steps[state] = self.state_steps.get(state, 0) + 1
+        unknown = [a for a, r in enumerate(rates) if r is None]
         if unknown:
             arm = unknown[0]
-        elif self._steps % self.probe_every == 0:
-            arm = (self._steps // self.probe_every) % len(self.arms)
+        elif steps % self.probe_every == 0:
+            arm = (steps // self.probe_every) % len(self.arms)
         else:
-            arm = max(range(len(self.arms)), key=lambda a: self.arm_rate[a])
-        self._pending = (arm, now, ctx.tokens.shape[0], 0)
+            arm = max(range(len(self.arms)), key=lambda a: rates[a])
+        self._pending = (state, arm, start, ctx.tokens.shape[0], 0)
         return arm
 
     def rate(self, member: int, depth: int, rank: int) -> float:
@@ -146,8 +170,8 @@ class UnionDrafter(Drafter):
         """Update each member's acceptance rates: every proposed node whose parent was accepted was
         tested; it was a hit if it is on the accepted path."""
         if self._pending is not None:
-            arm, start, length, _ = self._pending
-            self._pending = (arm, start, length, verdict.num_accepted + 1)
+            state, arm, start, length, _ = self._pending
+            self._pending = (state, arm, start, length, verdict.num_accepted + 1)
         for key in self.tests:
             self.tests[key] *= self.decay
             self.hits[key] = self.hits.get(key, 0.0) * self.decay
