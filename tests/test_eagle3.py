@@ -203,6 +203,15 @@ def test_checkpoint_round_trip_and_foreign_targets(tmp_path):
     for k, v in drafter.head.state_dict().items():
         assert torch.equal(loaded.head.state_dict()[k], v), k
     assert torch.equal(loaded._draft_ids, torch.arange(0, 64, 2))
+    save_drafter(drafter, tmp_path / "half", weights_dtype=torch.bfloat16)  # a smaller shipped file
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "half" / "adapter.safetensors"))
+    assert stored["eagle3.fc.weight"].dtype == torch.bfloat16 and stored["eagle3.d2t"].dtype == torch.long
+    half = load_drafter(tmp_path / "half", model)
+    for k, v in drafter.head.state_dict().items():
+        want = v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v
+        assert half.head.state_dict()[k].dtype == v.dtype and torch.equal(half.head.state_dict()[k], want), k
     other = tiny_model("llama", layers=5, seed=9)
     with pytest.raises(CheckpointError, match="another target"):
         load_drafter(tmp_path / "d", other)

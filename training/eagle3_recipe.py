@@ -65,6 +65,8 @@ class Eagle3TrainConfig:
         init: ``exit`` (the head starts as the target's early exit at its highest tap, see
             ``Eagle3Recipe._init_from_target``) or ``random`` (fc and mid layer randomly initialised).
         export: where the final drafter checkpoint is written (``null`` to skip).
+        export_dtype: dtype of the exported weights (``bfloat16`` halves a shipped file; loading
+            casts to the target's dtype).
     """
 
     recipe: str = "train_heads"
@@ -81,6 +83,7 @@ class Eagle3TrainConfig:
     target_dtype: str = "float32"
     init: str = "random"
     export: str | None = None
+    export_dtype: str = "float32"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20, epochs=1.0, batch_size=0))
     run: RunConfig = field(default_factory=lambda: RunConfig(out_dir="runs/eagle3-smollm2"))
 
@@ -93,6 +96,8 @@ class Eagle3TrainConfig:
             raise ValueError(f"init must be 'exit' or 'random', got {self.init!r}")
         if self.target_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"target_dtype must be float32, bfloat16 or float16, got {self.target_dtype!r}")
+        if self.export_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"export_dtype must be float32, bfloat16 or float16, got {self.export_dtype!r}")
         if self.run.wandb_mode not in ("offline", "disabled", "online"):
             raise ValueError(f"run.wandb_mode must be offline, disabled or online, got {self.run.wandb_mode!r}")
 
@@ -386,7 +391,8 @@ class Eagle3Recipe:
         if self.cfg.export:
             extra = {"training": asdict(self.cfg), "eval": metrics, "steps": self.step,
                      "draft_vocab_coverage": self.coverage, "train_response_tokens": summary["train_response_tokens"]}
-            save_drafter(self.drafter, self.cfg.export, tokenizer=self.tokenizer, extra=extra)
+            save_drafter(self.drafter, self.cfg.export, tokenizer=self.tokenizer, extra=extra,
+                         weights_dtype=getattr(torch, self.cfg.export_dtype))
         return summary
 
     def _plot(self) -> None:

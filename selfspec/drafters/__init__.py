@@ -6,6 +6,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Callable
 
+import torch
 import yaml
 
 from .base import DraftContext, Drafter, TargetSignature
@@ -62,15 +63,22 @@ def load_drafter(path, model) -> Drafter:
     return drafter
 
 
-def save_drafter(drafter: Drafter, path, *, tokenizer=None, extra: dict | None = None) -> None:
-    """Atomically save a trainable drafter (with its target's identity) to a checkpoint folder."""
+def save_drafter(drafter: Drafter, path, *, tokenizer=None, extra: dict | None = None,
+                 weights_dtype: torch.dtype | None = None) -> None:
+    """Atomically save a trainable drafter (with its target's identity) to a checkpoint folder.
+
+    ``weights_dtype`` (e.g. ``torch.bfloat16``) stores the floating-point weights in that dtype (a
+    smaller shipped file); loading casts them to the target's dtype. Integer and bool buffers
+    (``d2t``, ``t2d``) are stored as they are."""
     from ..checkpoint import TargetIdentity, save_checkpoint
 
     if drafter.kind not in _CHECKPOINTS:
         raise ValueError(f"drafters of kind {drafter.kind!r} have no weights to save")
+    weights = _CHECKPOINTS[drafter.kind][0](drafter)
+    if weights_dtype is not None:
+        weights = {k: v.to(weights_dtype) if v.is_floating_point() else v for k, v in weights.items()}
     save_checkpoint(path, kind=drafter.kind, config=drafter.config_dict(),
-                    target=TargetIdentity.of(drafter.model, tokenizer),
-                    weights=_CHECKPOINTS[drafter.kind][0](drafter), extra=extra)
+                    target=TargetIdentity.of(drafter.model, tokenizer), weights=weights, extra=extra)
 
 
 def shipped_checkpoint(target: str, kind: str) -> Path:
