@@ -5,8 +5,12 @@ typed ``config``, the ``target`` identity (model type, vocabulary size, hidden s
 weight fingerprint, tokenizer fingerprint) and free ``extra`` fields (tree, measured accuracies,
 training provenance). Weights are safetensors, never pickles, under the drafter's name prefix.
 
-Writes are atomic: a folder is written under a temporary name beside the destination and renamed
-into place, so a crash leaves either the old checkpoint or the new one, never half of one.
+Writes are crash-safe (:func:`atomic_dir`): a folder is written and fsynced under ``.NAME.new``
+beside the destination, renamed to ``.NAME.ready`` once complete, then swapped into place (the old
+folder moves to ``.NAME.old`` first, since POSIX cannot rename a folder over a non-empty one), with
+the parent folder fsynced after every rename. :func:`recover_dir` finishes or discards whatever a
+crash interrupted (a partial ``.new`` is dropped, a complete ``.ready`` is rolled forward), so a
+reader always finds either the old checkpoint or the new one, never half of one and never none.
 """
 
 from __future__ import annotations
@@ -34,8 +38,25 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, partial or made for another target."""
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(Path(folder) / name, "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(folder))
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and ``os.replace``."""
+    """Write ``text`` to ``path`` via a fsynced temporary file, ``os.replace`` and a fsync of the
+    folder (so the rename itself survives a power loss)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -45,27 +66,61 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         os.fsync(f.fileno())
     os.chmod(tmp, 0o644)  # mkstemp creates 0600; checkpoints are meant to be shared
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _staging(path: Path) -> tuple[Path, Path, Path]:
+    return (path.parent / f".{path.name}.new", path.parent / f".{path.name}.ready",
+            path.parent / f".{path.name}.old")
+
+
+def recover_dir(path: str | os.PathLike) -> None:
+    """Finish or discard an :func:`atomic_dir` swap that a crash interrupted: afterwards ``path``
+    is the newest complete folder (if any was ever complete) and no staging folder is left."""
+    path = Path(path)
+    new, ready, old = _staging(path)
+    if new.exists():  # possibly partial: never used
+        shutil.rmtree(new)
+    if ready.exists():  # complete: roll forward
+        if path.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+            _fsync_dir(path.parent)
+        os.replace(ready, path)
+        _fsync_dir(path.parent)
+    if old.exists():
+        if path.exists():
+            shutil.rmtree(old)
+        else:  # not produced by atomic_dir's order, but never lose the last good folder
+            os.replace(old, path)
+            _fsync_dir(path.parent)
 
 
 @contextmanager
 def atomic_dir(path: str | os.PathLike):
-    """Yield a temporary folder; on success it replaces ``path`` in one rename."""
+    """Yield a fresh staging folder; when the block ends without error it becomes ``path``
+    (crash-safe, see the module docstring). An error inside the block leaves ``path`` untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
-    os.chmod(tmp, 0o755)
+    recover_dir(path)
+    new, ready, old = _staging(path)
+    new.mkdir()
+    os.chmod(new, 0o755)
     try:
-        yield tmp
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        yield new
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    _fsync_tree(new)
+    os.replace(new, ready)
+    _fsync_dir(path.parent)
+    if path.exists():
+        os.replace(path, old)
+        _fsync_dir(path.parent)
+    os.replace(ready, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -103,6 +158,8 @@ def save_checkpoint(path, *, kind: str, config: dict, target: TargetIdentity, we
 def read_checkpoint(path) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read ``(meta, weights)``; any missing, corrupt or foreign file raises :class:`CheckpointError`."""
     path = Path(path)
+    if not path.is_dir() and any(p.exists() for p in _staging(path)):
+        recover_dir(path)  # a write was interrupted by a crash: finish it
     if not path.is_dir():
         raise CheckpointError(f"no drafter checkpoint folder at {str(path)!r}")
     cfg_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE

@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 import selfspec
-from selfspec.checkpoint import atomic_dir, atomic_write_text
+from selfspec.checkpoint import atomic_dir, atomic_write_text, recover_dir
 from selfspec.drafters import save_drafter
 from selfspec.drafters.eagle3 import Eagle3Config
 from selfspec.lm_head import lm_logits
@@ -180,6 +180,7 @@ class Eagle3Recipe:
         self.head.train()
         self.head, self.optimizer = self.acc.prepare(self.head, self.optimizer)
         if resume:
+            recover_dir(self.out / "checkpoint")  # finish a checkpoint write a crash interrupted
             if not (self.out / "checkpoint").exists():
                 raise FileNotFoundError(f"--resume: no checkpoint in {self.out}; drop --resume to start a new run")
             self._resume()

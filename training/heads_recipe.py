@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 import selfspec
-from selfspec.checkpoint import atomic_dir, atomic_write_text
+from selfspec.checkpoint import atomic_dir, atomic_write_text, recover_dir
 from selfspec.drafters import save_drafter
 from selfspec.drafters.layerskip import LayerSkipConfig
 from selfspec.drafters.medusa import MedusaConfig
@@ -176,7 +176,10 @@ class HeadsRecipe:
         self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         self.heads, self.optimizer = self.acc.prepare(self.heads, self.optimizer)
         self.total_steps = max(1, math.ceil(cfg.optim.epochs * len(self.train_set.positions) / cfg.optim.batch_size))
-        if resume and (self.out / "checkpoint").exists():
+        if resume:
+            recover_dir(self.out / "checkpoint")  # finish a checkpoint write a crash interrupted
+            if not (self.out / "checkpoint").exists():
+                raise FileNotFoundError(f"--resume: no checkpoint in {self.out}; drop --resume to start a new run")
             self._resume()
         atomic_write_text(self.out / "config.yaml", dump_config(cfg))
         self.acc.init_trackers(cfg.run.wandb_project, config=asdict(cfg),
