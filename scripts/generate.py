@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
-from selfspec.drafters import drafter_from_spec, shipped_checkpoint  # noqa: E402
+from selfspec.drafters import drafter_from_spec, recommended_drafter, shipped_checkpoint  # noqa: E402
 from selfspec.measure import compare, divergence  # noqa: E402
 
 DEFAULT_PROMPT = (
@@ -32,8 +32,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--model", default=selfspec.DEFAULT_TARGET, help="alias, local folder or .gguf file")
     ap.add_argument("--drafter", default="auto",
-                    help="auto (the shipped EAGLE-3 head + prompt lookup if a head ships for the model, else "
-                         "medusa+ngram, else ngram), eagle3, medusa, layerskip, ngram[:opts], a+b unions, "
+                    help="auto (the drafter measured fastest for the model, checkpoints/recommended.json; "
+                         "else a shipped head + prompt lookup, else ngram), eagle3, medusa, layerskip, ngram[:opts], a+b unions, "
                          "a checkpoint folder, none")
     ap.add_argument("--dtype", default="auto", help="target dtype: auto (bfloat16 where the CPU/GPU runs it "
                     "natively, else float32), float32, bfloat16")
@@ -52,9 +52,9 @@ def main(argv=None) -> None:
     print(f"target dtype {str(next(model.parameters()).dtype).removeprefix('torch.')}", flush=True)
     ids = encode_chat(tokenizer, args.prompt, system=args.system)
     drafter_spec = args.drafter
-    if drafter_spec == "auto":
+    if drafter_spec == "auto":  # the drafter measured fastest for this model, else a shipped one + ngram
         shipped = [k for k in ("eagle3", "medusa") if shipped_checkpoint(args.model, k).is_dir()]
-        drafter_spec = f"{shipped[0]}+ngram" if shipped else "ngram"
+        drafter_spec = recommended_drafter(args.model) or (f"{shipped[0]}+ngram" if shipped else "ngram")
     drafter = drafter_from_spec(model, drafter_spec, args.model)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                top_p=args.top_p, seed=args.seed, adaptive=not args.no_adaptive)

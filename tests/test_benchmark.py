@@ -103,3 +103,24 @@ def test_docs_tables_match_their_result_files():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["docs/benchmarks.md", "README.md", "--check"]) == 0
+
+
+def test_recommended_drafters_are_the_fastest_in_their_result_files():
+    """The demo's default drafter per model (checkpoints/recommended.json) is the selfspec method with
+    the best overall speedup in every benchmark result file cited beside it."""
+    import json
+    import pathlib
+
+    from selfspec.drafters import RECOMMENDED, recommended_drafter
+
+    root = pathlib.Path(__file__).parents[1]
+    entries = json.loads(RECOMMENDED.read_text(encoding="utf-8"))
+    assert entries, "no recommended drafter recorded"
+    for target, entry in entries.items():
+        assert recommended_drafter(target) == entry["drafter"]
+        assert entry["evidence"], target
+        for path in entry["evidence"]:
+            overall = json.loads((root / path).read_text(encoding="utf-8"))["summary"]["overall"]
+            ours = {m: r["speedup"] for m, r in overall.items() if m != "baseline" and not m.startswith("hf-")}
+            assert entry["drafter"] in ours, (path, entry["drafter"])
+            assert ours[entry["drafter"]] == max(ours.values()), (path, ours)

@@ -107,6 +107,33 @@ def test_draft_cache_after_compaction_equals_a_fresh_recomputation():
     torch.testing.assert_close(drafter.v, fresh.v)
 
 
+
+def test_skipped_steps_are_caught_up_at_the_next_proposal():
+    """Inside a union the head is told to skip steps: their taps are kept and run in one call at the
+    next proposal, which then drafts the same tree as a head that saw every step."""
+    from selfspec.drafters.base import DraftContext
+    from selfspec.sampling import SamplingConfig
+
+    model = tiny_model("llama", layers=5)
+    every = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6), scale=0.5)
+    lazy = build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6)
+    lazy.head.load_state_dict(every.head.state_dict())
+    seq = torch.tensor([3, 9, 27, 3, 9, 27, 3, 9, 5, 11, 4, 8, 15, 16, 23, 42]) % model.config.vocab_size
+    taps = TreeTarget(model, taps=every.taps).prefill(seq).taps  # [15, 3H]: positions 0..14
+    cuts = [4, 7, 8, 12]  # committed lengths at successive steps
+    prev = 0
+    for i, c in enumerate(cuts):
+        ctx = DraftContext(seq[: c + 1], None, 3, SamplingConfig(0.0), torch.Generator(), features=taps[prev:c])
+        tree = every.propose(ctx)
+        if i < len(cuts) - 1:
+            lazy.skip(ctx)
+        else:
+            other = lazy.propose(ctx)
+            assert torch.equal(tree.tokens, other.tokens) and torch.equal(tree.parents, other.parents)
+            torch.testing.assert_close(lazy.k, every.k)
+        prev = c
+
+
 # ---------------------------------------------------------------- greedy identity
 @pytest.fixture(scope="module")
 def trained_llama(tmp_path_factory):

@@ -62,6 +62,11 @@ def test_training_lowers_loss_and_exports_a_loadable_drafter(tmp_path):
     prompt = torch.tensor([[1, 2, 3, 4, 5, 6]])
     reference = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert torch.equal(selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=16).sequences, reference)
+    # a second run exporting to the same folder is refused before it trains (shipped checkpoints
+    # and their calibration are never overwritten by accident) unless overwrite_export is set
+    again = HeadsRecipe(tiny_config(tmp_path), model=model, dataset=data)
+    with pytest.raises(FileExistsError, match="overwrite_export"):
+        again.setup()
 
 
 def test_resume_continues_from_the_saved_step(tmp_path):

@@ -81,6 +81,21 @@ def save_drafter(drafter: Drafter, path, *, tokenizer=None, extra: dict | None =
                     target=TargetIdentity.of(drafter.model, tokenizer), weights=weights, extra=extra)
 
 
+#: The drafter the demo uses per packaged target, with the benchmark result file that measured it the
+#: fastest (a test checks the file still says so).
+RECOMMENDED = SHIPPED_CHECKPOINTS / "recommended.json"
+
+
+def recommended_drafter(target: str) -> str | None:
+    """The drafter spec measured fastest for the packaged ``target`` alias (``None``: no record)."""
+    import json
+
+    if not RECOMMENDED.exists():
+        return None
+    entry = json.loads(RECOMMENDED.read_text(encoding="utf-8")).get(target)
+    return entry["drafter"] if entry else None
+
+
 def shipped_checkpoint(target: str, kind: str) -> Path:
     """Folder of the drafter of ``kind`` shipped for the packaged ``target`` alias."""
     return SHIPPED_CHECKPOINTS / f"{target}-{kind}"

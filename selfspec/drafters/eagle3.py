@@ -88,6 +88,7 @@ class Eagle3Drafter(Drafter):
         self.k = self.v = None  # [kv_heads, P, d]: keys / values of the committed pairs
         self.cached = 0
         self._last = None  # [1, H] output of the last committed pair
+        self._deferred: list[torch.Tensor] = []  # taps shown in skipped steps, run at the next catch-up
 
     def config_dict(self) -> dict:
         return asdict(self.cfg)
@@ -112,6 +113,9 @@ class Eagle3Drafter(Drafter):
         ``tokens``: ``[P + 1]`` all tokens; ``features``: ``[m, 3H]`` taps of positions P-m..P-1.
         """
         committed = tokens.shape[0] - 1
+        if self._deferred:
+            features = torch.cat(self._deferred + ([features] if features is not None else []))
+            self._deferred = []
         m = 0 if features is None else features.shape[0]
         if self.cached + m != committed:
             raise RuntimeError(f"eagle3 drafter holds {self.cached} pairs and got {m} new features, "
@@ -132,8 +136,10 @@ class Eagle3Drafter(Drafter):
         return self._last
 
     def skip(self, ctx: DraftContext) -> None:
-        """Not drafting this step (inside a union): still take in the new committed positions."""
-        self.catch_up(ctx.tokens, ctx.features)
+        """Not drafting this step (inside a union): keep the new committed positions' taps for the
+        next catch-up, which runs all of them in one call (a skipped step costs nothing)."""
+        if ctx.features is not None and ctx.features.shape[0]:
+            self._deferred.append(ctx.features)
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> DraftTree:
