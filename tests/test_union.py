@@ -81,9 +81,10 @@ def test_arm_speeds_are_kept_per_context_state():
         def context_key(self, ctx):
             return int((ctx.tokens.shape[0] // 40) % 2 == self.phase)
 
-    union = UnionDrafter([Keyed(0), Keyed(1)], max_nodes=5, probe_every=1000, clock=step_clock())
+    union = UnionDrafter([Keyed(0), Keyed(1)], max_nodes=5, clock=step_clock())
     out = decode(table_target(), prompt, union, cfg, torch.Generator(), 400, set(), 1000)
     assert out.sequences[0].tolist() == reference[:402]
     assert set(union.rates) == {(1, 0), (0, 1)}
-    a_good, b_good = union.rates[(1, 0)], union.rates[(0, 1)]
-    assert a_good[0] > a_good[1] and b_good[1] > b_good[0]  # member 0 alone wins where it is right
+    best = {state: max(range(3), key=lambda a: union.estimates(state)[a] or 0.0) for state in union.rates}
+    assert best[(1, 0)] != 1 and best[(0, 1)] != 0  # never the member that is wrong in that stretch
+    assert out.stats.mean_accepted_length > 3.0

@@ -20,8 +20,8 @@ plain steps of an adaptive policy are not counted). Speeds are kept per *context
 of the members' :meth:`~selfspec.drafters.base.Drafter.context_key` (prompt lookup: the longest
 n-gram that matched), because which arm wins depends on the context: prompt lookup alone is best
 while the output copies its context (extraction, code edits), a trained head where nothing
-matches. Within a state, every ``probe_every`` steps it tries the next arm in turn so all
-estimates stay current. Members not asked in a step are told to ``skip`` it (so feature-reading
+matches. Within a state, every ``probe_every`` steps it tries one of the other arms in turn so
+all estimates stay current; an arm not yet measured in a state borrows its speed over all states. Members not asked in a step are told to ``skip`` it (so feature-reading
 drafters stay in sync). Which arm drafts depends only on committed tokens and measured past steps,
 never on the current draws, so every step stays exact.
 
@@ -48,7 +48,8 @@ class UnionDrafter(Drafter):
         max_nodes: node budget of a merged tree (default: the largest member's).
         min_value: merged nodes whose estimated acceptance is below it are not verified.
         decay: per-step decay of the acceptance counts.
-        probe_every: within a context state, every this many steps the next arm is tried.
+        probe_every: within a context state, every this many steps one of the other arms is tried
+            (in turn); an arm not yet measured in a state is estimated by its speed over all states.
         rate_ema: weight of a new step in an arm's tokens/s estimate.
         clock: seconds as a float (default ``time.perf_counter``; tests inject a step clock).
     """
@@ -56,7 +57,7 @@ class UnionDrafter(Drafter):
     kind = "union"
 
     def __init__(self, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05,
-                 decay: float = 0.98, probe_every: int = 8, rate_ema: float = 0.2, clock=time.perf_counter):
+                 decay: float = 0.98, probe_every: int = 16, rate_ema: float = 0.2, clock=time.perf_counter):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes is None:  # never verify more nodes than the largest member would on its own
@@ -82,6 +83,7 @@ class UnionDrafter(Drafter):
         self.arms.append(tuple(range(len(members))))
         self.rates: dict[tuple[int, ...], list[float | None]] = {}  # context state -> tokens/s per arm
         self.state_steps: dict[tuple[int, ...], int] = {}
+        self.pooled: list[float | None] = [None] * len(self.arms)  # tokens/s per arm over all states
         self.probe_every, self.rate_ema, self.clock = probe_every, rate_ema, clock
         self._state: tuple[int, ...] = ()
         self._arm, self._pending = len(self.arms) - 1, None
@@ -107,21 +109,33 @@ class UnionDrafter(Drafter):
             now = self.clock()
             if ctx.tokens.shape[0] == length + tokens and now > start:  # no plain step in between
                 rate = tokens / (now - start)
-                rates = self.rates[state]
-                rates[arm] = rate if rates[arm] is None else (1 - self.rate_ema) * rates[arm] + self.rate_ema * rate
+                for rates in (self.rates[state], self.pooled):
+                    rates[arm] = rate if rates[arm] is None else (1 - self.rate_ema) * rates[arm] + self.rate_ema * rate
         start = self.clock()  # the state's own cost counts towards the step it decides
         state = self._state = tuple(m.context_key(ctx) for m in self.members) if len(self.arms) > 1 else ()
         rates = self.rates.setdefault(state, [None] * len(self.arms))
         steps = self.state_steps[state] = self.state_steps.get(state, 0) + 1
-        unknown = [a for a, r in enumerate(rates) if r is None]
+        # an arm not yet measured in this state borrows its speed over all states (no exploration
+        # storm when a new state appears); arms never measured anywhere are tried first
+        guess = self.estimates(state)
+        unknown = [a for a, r in enumerate(guess) if r is None]
+        best = max(range(len(self.arms)), key=lambda a: guess[a] or 0.0)
         if unknown:
             arm = unknown[0]
-        elif steps % self.probe_every == 0:
-            arm = (steps // self.probe_every) % len(self.arms)
+        elif steps % self.probe_every == 0 and len(self.arms) > 1:  # probe the others in turn
+            others = [a for a in range(len(self.arms)) if a != best]
+            fresh = [a for a in others if rates[a] is None]  # not yet measured in this state: first
+            arm = fresh[0] if fresh else others[(steps // self.probe_every) % len(others)]
         else:
-            arm = max(range(len(self.arms)), key=lambda a: rates[a])
+            arm = best
         self._pending = (state, arm, start, ctx.tokens.shape[0], 0)
         return arm
+
+    def estimates(self, state: tuple[int, ...]) -> list[float | None]:
+        """Estimated tokens/s of each arm in context ``state`` (its own measurement, else the arm's
+        speed over all states, else ``None``)."""
+        rates = self.rates.get(state, [None] * len(self.arms))
+        return [r if r is not None else self.pooled[a] for a, r in enumerate(rates)]
 
     def rate(self, member: int, depth: int, rank: int) -> float:
         """Measured acceptance of the member's rank-``rank`` child at ``depth`` (given its parent
