@@ -65,6 +65,13 @@ def main(argv=None) -> None:
               "`provenance.json` / `manifest.json`); benchmark prompts held out",
               f"- response tokens trained on: {extra.get('train_response_tokens', '?')}; optimizer steps: "
               f"{extra.get('steps', '?')}; training-time test steps: {training.get('ttt_steps', '?')}",
+              f"- optimizer: AdamW lr {training.get('optim', {}).get('lr', '?')}, "
+              f"{training.get('optim', {}).get('warmup_steps', '?')} warm-up steps, cosine to 10%, "
+              f"{training.get('optim', {}).get('epochs', '?')} epochs of {training.get('tokens_per_batch', '?')} "
+              f"padded tokens per step; target features in {training.get('target_dtype', '?')}; weights stored "
+              f"in {training.get('export_dtype', 'float32')}",
+              "- curves: `docs/results/eagle3_smollm2_training_curves.png`; continue training with "
+              "`--resume` and a larger `optim.epochs` (the run folder keeps the optimizer state)",
               ""]
     if "draft_vocab_coverage" in extra:
         cov = extra["draft_vocab_coverage"]
@@ -82,6 +89,11 @@ def main(argv=None) -> None:
         lines += ["## Calibrated trees (this machine, `scripts/calibrate.py --dtype ...`)", ""]
         for dtype, opts in calib.items():
             lines.append(f"- {dtype}: {opts}")
+            record = extra.get("calibration_by_dtype", {}).get(dtype, {})
+            if "grid" in record:
+                lines.append("  measured speedup over plain decoding on held-out chat prompts: " + "; ".join(
+                    f"{g['max_depth']}/{g['width']}/{g['max_nodes']} (depth/width/nodes) {v:.2f}x"
+                    for g, v in zip(record["grid"], record["measured_speedup"])))
         lines.append("")
     if args.costs:
         c = json.loads(Path(args.costs).read_text(encoding="utf-8"))
@@ -93,6 +105,17 @@ def main(argv=None) -> None:
                   f"({d['overhead_s'] * 1e3:.1f} ms). A verify pass over 1 / 8 / 16 nodes: "
                   + " / ".join(f"{c['verify'][str(n)]['hooks'] * 1e3:.0f}" for n in (1, 8, 16)) + " ms.", ""]
     if args.results:
+        alone = []
+        for p in args.results:
+            overall = json.loads(Path(p).read_text(encoding="utf-8"))["summary"]["overall"]
+            if meta["kind"] in overall:
+                alone.append((json.loads(Path(p).read_text(encoding="utf-8")).get("args", {}).get("title") or p,
+                              overall[meta["kind"]]["speedup"]))
+        if alone:
+            verdict = ("pays on this machine" if min(v for _, v in alone) >= 1.0 else
+                       "does not pay on this machine yet (alone, below plain decoding where marked < 1.00x)")
+            lines[4:4] = ["**Status**: this drafter " + verdict + ": " + "; ".join(
+                f"{t} {v:.2f}x" for t, v in alone) + " (tables below).", ""]
         lines += ["## Benchmarks", ""] + [results_section(Path(p)) for p in args.results]
     (ckpt / "README.md").write_text("\n".join(lines), encoding="utf-8")
     print(f"wrote {ckpt / 'README.md'}")

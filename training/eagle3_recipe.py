@@ -39,7 +39,7 @@ from selfspec.taps import capture_taps
 
 from .config import dump_config
 from .heads_recipe import OptimConfig, RunConfig, lr_at
-from .state import read_train_state, write_train_state
+from .state import check_export_target, read_train_state, write_train_state
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -65,6 +65,8 @@ class Eagle3TrainConfig:
         init: ``exit`` (the head starts as the target's early exit at its highest tap, see
             ``Eagle3Recipe._init_from_target``) or ``random`` (fc and mid layer randomly initialised).
         export: where the final drafter checkpoint is written (``null`` to skip).
+        overwrite_export: allow ``export`` to replace an existing folder (refused otherwise, at
+            setup, before any training).
         export_dtype: dtype of the exported weights (``bfloat16`` halves a shipped file; loading
             casts to the target's dtype).
     """
@@ -83,6 +85,7 @@ class Eagle3TrainConfig:
     target_dtype: str = "float32"
     init: str = "random"
     export: str | None = None
+    overwrite_export: bool = False
     export_dtype: str = "float32"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20, epochs=1.0, batch_size=0))
     run: RunConfig = field(default_factory=lambda: RunConfig(out_dir="runs/eagle3-smollm2"))
@@ -150,6 +153,7 @@ class Eagle3Recipe:
         from accelerate.utils import set_seed
 
         cfg = self.cfg
+        check_export_target(cfg.export, cfg.overwrite_export)
         self.out.mkdir(parents=True, exist_ok=True)
         set_seed(cfg.run.seed)
         self.acc = Accelerator(mixed_precision=cfg.run.mixed_precision, log_with="wandb")

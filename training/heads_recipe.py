@@ -32,7 +32,7 @@ from selfspec.tree_search import best_tree, expected_accepted_length
 from .config import dump_config
 from .features import FeatureCache, build_features
 from .losses import head_loss, rank_hits
-from .state import read_train_state, write_train_state
+from .state import check_export_target, read_train_state, write_train_state
 
 
 @dataclass
@@ -108,6 +108,8 @@ class HeadsTrainConfig:
         tree_budget: draft nodes of the exported tree.
         max_len: longest example (tokens) used.
         export: where the final drafter checkpoint is written (``null`` to skip).
+        overwrite_export: allow ``export`` to replace an existing folder (refused otherwise, at
+            setup, before any training).
     """
 
     recipe: str = "train_heads"
@@ -123,6 +125,7 @@ class HeadsTrainConfig:
     tree_budget: int = 10
     max_len: int = 1024
     export: str | None = None
+    overwrite_export: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -157,6 +160,7 @@ class HeadsRecipe:
         from accelerate.utils import set_seed
 
         cfg = self.cfg
+        check_export_target(cfg.export, cfg.overwrite_export)
         self.out.mkdir(parents=True, exist_ok=True)
         set_seed(cfg.run.seed)
         self.acc = Accelerator(mixed_precision=cfg.run.mixed_precision, log_with="wandb")

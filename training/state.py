@@ -54,3 +54,13 @@ def read_train_state(folder: Path, optimizer: torch.optim.Optimizer) -> dict:
         raise CheckpointError(f"training state in {folder} is missing or corrupt: {err}") from err
     optimizer_from_flat(optimizer, tensors, info["param_groups"])
     return info
+
+
+def check_export_target(export: str | None, overwrite: bool) -> None:
+    """Refuse, before any training, to export over an existing drafter folder (a shipped checkpoint
+    with its calibration, or an earlier run's) unless ``overwrite_export`` is set."""
+    if export and Path(export).exists() and not overwrite:
+        raise FileExistsError(
+            f"export folder {export!r} already exists (a shipped or earlier drafter, with its calibration); "
+            "set overwrite_export=true to replace it, or export=<another folder>")
+
