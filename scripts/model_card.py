@@ -107,10 +107,9 @@ def main(argv=None) -> None:
     if args.results:
         alone = []
         for p in args.results:
-            overall = json.loads(Path(p).read_text(encoding="utf-8"))["summary"]["overall"]
-            if meta["kind"] in overall:
-                alone.append((json.loads(Path(p).read_text(encoding="utf-8")).get("args", {}).get("title") or p,
-                              overall[meta["kind"]]["speedup"]))
+            data = json.loads(Path(p).read_text(encoding="utf-8"))
+            if meta["kind"] in data["summary"]["overall"]:
+                alone.append((data.get("args", {}).get("title") or p, data["summary"]["overall"][meta["kind"]]["speedup"]))
         if alone:
             verdict = ("pays on this machine" if min(v for _, v in alone) >= 1.0 else
                        "does not pay on this machine yet (alone, below plain decoding where marked < 1.00x)")

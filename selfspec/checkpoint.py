@@ -104,7 +104,7 @@ def atomic_dir(path: str | os.PathLike):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     recover_dir(path)
-    new, ready, old = _staging(path)
+    new, ready, _ = _staging(path)
     new.mkdir()
     os.chmod(new, 0o755)
     try:
@@ -113,14 +113,9 @@ def atomic_dir(path: str | os.PathLike):
         shutil.rmtree(new, ignore_errors=True)
         raise
     _fsync_tree(new)
-    os.replace(new, ready)
+    os.replace(new, ready)  # complete from here on: a crash rolls it forward
     _fsync_dir(path.parent)
-    if path.exists():
-        os.replace(path, old)
-        _fsync_dir(path.parent)
-    os.replace(ready, path)
-    _fsync_dir(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    recover_dir(path)  # the swap itself: old -> .old, .ready -> path, drop .old
 
 
 @dataclass(frozen=True)

@@ -79,21 +79,24 @@ class NgramDrafter(Drafter):
         """The longest suffix length ``n`` (``min_ngram..max_ngram``) that occurs earlier in the
         context, 0 when none does: longer matches are accepted far more often."""
         tokens = ctx.tokens.cpu()
+        return next((n for n in self._sizes(tokens) if self._hits(tokens, n).numel()), 0)
+
+    def _sizes(self, tokens: torch.Tensor) -> range:
+        """Suffix lengths searched, longest first."""
+        return range(min(self.config.max_ngram, tokens.shape[0] - 1), self.config.min_ngram - 1, -1)
+
+    @staticmethod
+    def _hits(tokens: torch.Tensor, n: int) -> torch.Tensor:
+        """Continuation starts (increasing) of earlier occurrences of the last ``n`` tokens."""
         length = tokens.shape[0]
-        for n in range(min(self.config.max_ngram, length - 1), self.config.min_ngram - 1, -1):
-            windows = tokens[: length - 1].unfold(0, n, 1)
-            if bool((windows == tokens[length - n:]).all(-1).any()):
-                return n
-        return 0
+        windows = tokens[: length - 1].unfold(0, n, 1)  # window i = tokens[i:i+n], i + n <= L - 1
+        return (windows == tokens[length - n:]).all(-1).nonzero().flatten() + n
 
     def _match_ends(self, tokens: torch.Tensor):
         """Yield distinct continuation starts, longest n-gram first, most recent first."""
-        length = tokens.shape[0]
         seen: set[int] = set()
-        for n in range(min(self.config.max_ngram, length - 1), self.config.min_ngram - 1, -1):
-            windows = tokens[: length - 1].unfold(0, n, 1)  # window i = tokens[i:i+n], i + n <= L - 1
-            hits = (windows == tokens[length - n:]).all(-1).nonzero().flatten() + n
-            for end in hits.flip(0).tolist():
+        for n in self._sizes(tokens):
+            for end in self._hits(tokens, n).flip(0).tolist():
                 if end not in seen:
                     seen.add(end)
                     yield end
