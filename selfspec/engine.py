@@ -121,7 +121,8 @@ def decode(
     ``target`` is anything with ``prefill``, ``forward_tree``, ``commit`` and ``prefix_len`` like
     :class:`TreeTarget` (tests plug in cheap table-driven targets). ``ids``: ``[L]`` on the CPU.
     ``policy`` (optional) decides per step whether to draft and how deep, from step times read
-    off ``clock`` (seconds; tests inject a deterministic one).
+    off ``clock`` (seconds; tests inject a deterministic one); for a ``self_paced`` drafter it only
+    caps the depth.
     """
     stats = SpecStats()
     share = drafter is not None and drafter.shares_target_cache and getattr(target, "supports_handoff", False)
@@ -143,7 +144,7 @@ def decode(
             finish = "context"
             break
         t0 = clock()
-        speculate = drafter is not None and budget > 1 and (policy is None or policy.speculate())
+        speculate = drafter is not None and budget > 1 and (policy is None or drafter.self_paced or policy.speculate())
         depth = policy.max_depth(budget - 1) if policy is not None else budget - 1
         ctx = DraftContext(tokens[:length], root_hidden, depth, cfg, gen, target.cache if share else None,
                            features=features if speculate else None)
@@ -183,6 +184,8 @@ def decode(
         if cut is not None:
             finish = "eos"
             break
+    if drafter is not None:
+        drafter.end(tokens[:length], ids.shape[0])
     stats.wall_time_s = clock() - start
     return SpecOutput(tokens[None, :length].clone(), stats, finish)
 

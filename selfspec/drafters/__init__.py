@@ -15,6 +15,7 @@ from .layerskip import (LayerSkipConfig, LayerSkipDrafter, build_layerskip, laye
                         layerskip_weights)
 from .medusa import MedusaConfig, MedusaDrafter, build_medusa, medusa_from_checkpoint, medusa_weights
 from .ngram import NgramConfig, NgramDrafter
+from .suffix import SuffixConfig, SuffixDrafter
 from .union import UnionDrafter
 
 #: Drafters trained for the packaged targets ship in the repository's checkpoints/ folder.
@@ -180,6 +181,11 @@ def _build_ngram(model, **options) -> NgramDrafter:
     return NgramDrafter(NgramConfig(**options), TargetSignature.of(model))
 
 
+def _build_suffix(model, **options) -> SuffixDrafter:
+    _check_options("suffix", SuffixConfig, options)
+    return SuffixDrafter(SuffixConfig(**options), TargetSignature.of(model))
+
+
 def _build_union(model, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05) -> UnionDrafter:
     drafter = UnionDrafter(list(members), max_nodes, min_value)
     drafter.check_target(model)
@@ -187,6 +193,7 @@ def _build_union(model, members: list[Drafter], max_nodes: int | None = None, mi
 
 
 register("ngram", _build_ngram)
+register("suffix", _build_suffix)
 register("union", _build_union)
 register("medusa", _build_medusa)
 _CHECKPOINTS["medusa"] = (medusa_weights, medusa_from_checkpoint)
@@ -196,6 +203,6 @@ register("layerskip", _build_layerskip)
 _CHECKPOINTS["layerskip"] = (layerskip_weights, layerskip_from_checkpoint)
 
 __all__ = [
-    "DraftContext", "Drafter", "Eagle3Config", "Eagle3Drafter", "LayerSkipConfig", "LayerSkipDrafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "TargetSignature",
+    "DraftContext", "Drafter", "Eagle3Config", "Eagle3Drafter", "LayerSkipConfig", "LayerSkipDrafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "SuffixConfig", "SuffixDrafter", "TargetSignature",
     "UnionDrafter", "build_drafter", "drafter_from_spec", "load_drafter", "register", "save_drafter", "shipped_checkpoint",
 ]

@@ -103,6 +103,10 @@ class Drafter(ABC):
     #: Target hidden-state taps (transformers' ``hidden_states`` indices) that :meth:`propose` reads
     #: from ``ctx.features``; the verify pass records them (:mod:`selfspec.taps`). Empty: none.
     taps: tuple[int, ...] = ()
+    #: True when the drafter decides per step itself whether drafting pays (returning a root-only
+    #: tree for a plain step, e.g. a union's plain arm): the engine's adaptive policy then only caps
+    #: the draft depth and never backs it off.
+    self_paced: bool = False
 
     def __init__(self, signature: TargetSignature | None = None):
         self.signature = signature
@@ -114,6 +118,11 @@ class Drafter(ABC):
 
     def reset(self) -> None:
         """Called at the start of every generation."""
+
+    def end(self, tokens: torch.Tensor, prompt_len: int) -> None:
+        """Called once when a generation ends: ``tokens`` ``[L]`` is the prompt (its first
+        ``prompt_len`` tokens) and everything generated (drafters that learn across calls, e.g. a
+        suffix index of past outputs, keep what they need); default does nothing."""
 
     @abstractmethod
     def propose(self, ctx: DraftContext) -> DraftTree:

@@ -13,17 +13,23 @@ nodes of one member no longer crowd out a strong member's draft, and nodes
 that would rarely be accepted are not verified at all, so the union does not pay for them.
 
 A merge still pays every member's drafting time and verify budget, so it can lose to one of its
-members alone (a weak member's heads cost milliseconds every step on a CPU). The union therefore
-chooses per step among *arms*: each member alone, or the merge of all, by measured output tokens
-per second of the steps each arm ran (time from one proposal to the next, steps interrupted by
-plain steps of an adaptive policy are not counted). Speeds are kept per *context state*, the tuple
-of the members' :meth:`~selfspec.drafters.base.Drafter.context_key` (prompt lookup: the longest
-n-gram that matched), because which arm wins depends on the context: prompt lookup alone is best
-while the output copies its context (extraction, code edits), a trained head where nothing
-matches. Within a state, every ``probe_every`` steps it tries one of the other arms in turn so
-all estimates stay current; an arm not yet measured in a state borrows its speed over all states. Members not asked in a step are told to ``skip`` it (so feature-reading
-drafters stay in sync). Which arm drafts depends only on committed tokens and measured past steps,
-never on the current draws, so every step stays exact.
+members alone (a weak member's heads cost milliseconds every step on a CPU), and a member can lose
+to plain decoding. The union therefore chooses per step among *arms*: **plain** (a root-only tree:
+no drafting, one token), each member alone, and the merge of all, by measured output tokens per
+second of the steps each arm ran (time from one proposal to the next, as decayed sums of tokens and
+seconds). It is *self-paced* (:attr:`Drafter.self_paced`): the engine's adaptive policy only caps
+its depth and never backs it off, because one shared back-off would punish a paying member for a
+slow one's steps; the plain arm does that job per context state instead. Speeds are kept per
+*context state*, the tuple of the members' :meth:`~selfspec.drafters.base.Drafter.context_key`
+(prompt lookup: the longest n-gram that matched), because which arm wins depends on the context:
+prompt lookup alone is best while the output copies its context (extraction, code edits), a
+trained head (or plain steps) where nothing matches. Within a state, every ``probe_every`` steps it
+tries one of the other arms in turn so all estimates stay current; an arm not yet measured in a
+state borrows its speed over all states. So in every state the union runs what its best member
+with its own policy would run there (that member, or plain steps), up to the probes. Members not
+asked in a step are told to ``skip`` it (so feature-reading drafters stay in sync). Which arm
+drafts depends only on committed tokens and measured past steps, never on the current draws, so
+every step stays exact.
 
 Only point-mass trees can be merged: a sampled child carries a law tied to its own siblings,
 which a merge would break; members that can sample are asked for point-mass trees.
@@ -50,22 +56,26 @@ class UnionDrafter(Drafter):
         decay: per-step decay of the acceptance counts.
         probe_every: within a context state, every this many steps one of the other arms is tried
             (in turn); an arm not yet measured in a state is estimated by its speed over all states.
-        rate_ema: weight of a new step in an arm's tokens/s estimate.
+        rate_decay: per-step decay of an arm's token and second sums (its tokens/s is their ratio).
         clock: seconds as a float (default ``time.perf_counter``; tests inject a step clock).
     """
 
     kind = "union"
+    self_paced = True  # picks plain steps itself, per context state (the plain arm)
 
     def __init__(self, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05,
-                 decay: float = 0.98, probe_every: int = 16, rate_ema: float = 0.2, clock=time.perf_counter):
+                 decay: float = 0.98, probe_every: int = 16, rate_decay: float = 0.9, clock=time.perf_counter):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes is None:  # never verify more nodes than the largest member would on its own
             max_nodes = max(int(getattr(getattr(m, "cfg", None), "max_nodes", 16)) for m in members)
         if max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
-        if not 0.0 <= min_value < 1.0 or not 0.0 < decay <= 1.0:
-            raise ValueError(f"min_value must be in [0, 1) and decay in (0, 1], got {min_value}, {decay}")
+        if not 0.0 <= min_value < 1.0 or not 0.0 < decay <= 1.0 or not 0.0 < rate_decay <= 1.0:
+            raise ValueError(f"min_value must be in [0, 1), decay and rate_decay in (0, 1], got "
+                             f"{min_value}, {decay}, {rate_decay}")
+        if probe_every < 2:
+            raise ValueError(f"probe_every must be >= 2, got {probe_every}")
         super().__init__(members[0].signature)
         members = [m.with_options(sampled=False) if getattr(getattr(m, "cfg", None), "sampled", False) else m
                    for m in members]
@@ -78,20 +88,33 @@ class UnionDrafter(Drafter):
         self.hits: dict[tuple[int, int, int], float] = {}  # (member, depth, rank) -> decayed hits
         self.tests: dict[tuple[int, int, int], float] = {}
         self._sources: list[list[tuple[int, int, int]]] = []  # union node -> its (member, depth, rank)s
-        # arms: each member alone, then all merged; measured output tokens per second of each
-        self.arms: list[tuple[int, ...]] = [(i,) for i in range(len(members))] if len(members) > 1 else []
-        self.arms.append(tuple(range(len(members))))
-        self.rates: dict[tuple[int, ...], list[float | None]] = {}  # context state -> tokens/s per arm
+        # arms: plain (no member), each member alone, then all merged (tuples of member indices)
+        self.arms: list[tuple[int, ...]] = [()] + [(i,) for i in range(len(members))]
+        if len(members) > 1:
+            self.arms.append(tuple(range(len(members))))
+        # decayed [tokens, seconds] per arm, per context state and over all states
+        self.sums: dict[tuple[int, ...], list[list[float] | None]] = {}
+        self.pooled_sums: list[list[float] | None] = [None] * len(self.arms)
         self.state_steps: dict[tuple[int, ...], int] = {}
-        self.pooled: list[float | None] = [None] * len(self.arms)  # tokens/s per arm over all states
-        self.probe_every, self.rate_ema, self.clock = probe_every, rate_ema, clock
+        self.arm_steps = [0] * len(self.arms)  # how many steps each arm ran (diagnostics)
+        self.probe_every, self.rate_decay, self.clock = probe_every, rate_decay, clock
         self._state: tuple[int, ...] = ()
         self._arm, self._pending = len(self.arms) - 1, None
 
     @property
+    def rates(self) -> dict[tuple[int, ...], list[float | None]]:
+        """Measured tokens/s of each arm (``None``: not run yet), per context state."""
+        return {state: [_ratio(s) for s in sums] for state, sums in self.sums.items()}
+
+    @property
+    def pooled(self) -> list[float | None]:
+        """Measured tokens/s of each arm over all context states."""
+        return [_ratio(s) for s in self.pooled_sums]
+
+    @property
     def arm_rate(self) -> list[float | None]:
         """Measured tokens/s of each arm in the context state of the latest step."""
-        return self.rates.get(self._state, [None] * len(self.arms))
+        return [_ratio(s) for s in self.sums.get(self._state, [None] * len(self.arms))]
 
     def check_target(self, model) -> None:
         for m in self.members:
@@ -102,40 +125,46 @@ class UnionDrafter(Drafter):
         for m in self.members:
             m.reset()
 
+    def end(self, tokens: torch.Tensor, prompt_len: int) -> None:
+        for m in self.members:
+            m.end(tokens, prompt_len)
+
     def _choose_arm(self, ctx: DraftContext) -> int:
         """Close the timing of the previous step, then pick this step's arm."""
         if self._pending is not None:
             state, arm, start, length, tokens = self._pending
             now = self.clock()
-            if ctx.tokens.shape[0] == length + tokens and now > start:  # no plain step in between
-                rate = tokens / (now - start)
-                for rates in (self.rates[state], self.pooled):
-                    rates[arm] = rate if rates[arm] is None else (1 - self.rate_ema) * rates[arm] + self.rate_ema * rate
+            if ctx.tokens.shape[0] == length + tokens and now > start:  # nothing ran in between
+                for table in (self.sums[state], self.pooled_sums):
+                    old = table[arm] or [0.0, 0.0]
+                    table[arm] = [self.rate_decay * old[0] + tokens, self.rate_decay * old[1] + (now - start)]
         start = self.clock()  # the state's own cost counts towards the step it decides
-        state = self._state = tuple(m.context_key(ctx) for m in self.members) if len(self.arms) > 1 else ()
-        rates = self.rates.setdefault(state, [None] * len(self.arms))
+        state = self._state = tuple(m.context_key(ctx) for m in self.members)
+        sums = self.sums.setdefault(state, [None] * len(self.arms))
         steps = self.state_steps[state] = self.state_steps.get(state, 0) + 1
         # an arm not yet measured in this state borrows its speed over all states (no exploration
         # storm when a new state appears); arms never measured anywhere are tried first
         guess = self.estimates(state)
         unknown = [a for a, r in enumerate(guess) if r is None]
-        best = max(range(len(self.arms)), key=lambda a: guess[a] or 0.0)
+        best = max(range(len(self.arms)), key=lambda a: guess[a] or 0.0)  # ties: the cheaper arm
         if unknown:
             arm = unknown[0]
-        elif steps % self.probe_every == 0 and len(self.arms) > 1:  # probe the others in turn
+        elif steps % self.probe_every == 0:  # probe the others in turn
             others = [a for a in range(len(self.arms)) if a != best]
-            fresh = [a for a in others if rates[a] is None]  # not yet measured in this state: first
+            fresh = [a for a in others if sums[a] is None]  # not yet measured in this state: first
             arm = fresh[0] if fresh else others[(steps // self.probe_every) % len(others)]
         else:
             arm = best
         self._pending = (state, arm, start, ctx.tokens.shape[0], 0)
+        self.arm_steps[arm] += 1
         return arm
 
     def estimates(self, state: tuple[int, ...]) -> list[float | None]:
         """Estimated tokens/s of each arm in context ``state`` (its own measurement, else the arm's
         speed over all states, else ``None``)."""
-        rates = self.rates.get(state, [None] * len(self.arms))
-        return [r if r is not None else self.pooled[a] for a, r in enumerate(rates)]
+        own = [_ratio(s) for s in self.sums.get(state, [None] * len(self.arms))]
+        pooled = self.pooled
+        return [r if r is not None else pooled[a] for a, r in enumerate(own)]
 
     def rate(self, member: int, depth: int, rank: int) -> float:
         """Measured acceptance of the member's rank-``rank`` child at ``depth`` (given its parent
@@ -169,6 +198,8 @@ class UnionDrafter(Drafter):
                 entry = trie.setdefault(key[i], [0.0, []])
                 entry[0] = max(entry[0], value[i])
                 entry[1].append((m, depth, rank))
+        if not chosen:  # the plain arm: one token, no drafting
+            return DraftTree.root_only(ctx.root_token)
         ranked = sorted(trie.items(), key=lambda kv: (-kv[1][0], len(kv[0])))
         builder, index = TreeBuilder(ctx.root_token), {(): 0}
         self._sources = [[]]
@@ -199,3 +230,7 @@ class UnionDrafter(Drafter):
                         self.hits[src] = self.hits.get(src, 0.0) + 1.0
         for m in self.arms[self._arm]:
             self.members[m].observe(ctx, tree, verdict)
+
+
+def _ratio(sums: list[float] | None) -> float | None:
+    return None if sums is None or sums[1] <= 0 else sums[0] / sums[1]
