@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +28,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import selfspec  # noqa: E402
 from selfspec import benchmark  # noqa: E402
 from selfspec.workloads import load_questions, take_per_category  # noqa: E402
+
+
+def distilled_ids(data_dir: Path) -> set[str]:
+    """Ids of every prompt that a distillation recipe in ``configs/`` answers (their drafters
+    trained on them), read from the recipes themselves, so it holds without the distilled data."""
+    from training.config import load_config
+    from training.distill import DistillJob, collect_prompts
+
+    ids: set[str] = set()
+    for path in sorted((Path(__file__).resolve().parents[1] / "configs").glob("distill_*.yaml")):
+        job = load_config(DistillJob, path, [f"distill.data_dir={data_dir}"])
+        if job.distill.sources.get("tools"):
+            ids |= {p["source_id"] for p in collect_prompts(job.distill) if p["source"] == "tools"}
+    return ids
 
 
 def main(argv=None) -> None:
@@ -37,6 +52,11 @@ def main(argv=None) -> None:
     ap.add_argument("--limit", type=int, default=None, help="questions per file")
     ap.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
     ap.add_argument("--first-turn-only", action="store_true")
+    ap.add_argument("--max-turns", type=int, default=None, help="first N user turns of each conversation")
+    ap.add_argument("--by-turn", action="store_true", help="also summarise per turn (turn 1 = cold caches)")
+    ap.add_argument("--constrain", choices=["tool-call"], default=None,
+                    help="tool-call: every run (baseline too) must answer with one call to the question's tools "
+                         "(grammar mask at every tree node; the baseline is constrained plain decoding)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16 or auto")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -56,19 +76,25 @@ def main(argv=None) -> None:
     if args.resume and not args.out:
         ap.error("--resume needs --out")
 
+    prov = provenance()  # the code as it is when the run starts
     model, tokenizer = selfspec.load_target(args.model, dtype=args.dtype)
     questions = []
     for path in args.questions:
         qs = load_questions(path)
+        if Path(path).name.startswith("tool_prompts"):  # never measure on prompts a drafter was distilled on
+            distilled = distilled_ids(Path(path).parent)
+            qs = [q for q in qs if q.question_id not in distilled]
         if args.per_category:
             qs = take_per_category(qs, args.per_category)
         qs = qs[: args.limit]
-        if args.first_turn_only:
-            qs = [q.__class__(q.question_id, q.category, q.turns[:1], q.system) for q in qs]
+        if args.first_turn_only or args.max_turns:
+            keep = 1 if args.first_turn_only else args.max_turns
+            qs = [q.__class__(q.question_id, q.category, q.turns[:keep], q.system, q.meta) for q in qs]
         questions += qs
-    methods = {spec: benchmark.method_from_spec(model, spec, args.model, not args.no_adaptive) for spec in args.methods}
+    methods = {spec: benchmark.method_from_spec(model, spec, args.model, not args.no_adaptive, tokenizer)
+               for spec in args.methods}
     partial = args.out + ".partial.jsonl" if args.out else None
-    settings = {k: vars(args)[k] for k in ("model", "max_new_tokens", "temperature", "no_adaptive", "dtype")}
+    settings = {k: vars(args)[k] for k in ("model", "max_new_tokens", "temperature", "no_adaptive", "dtype", "constrain")}
     done = []
     if partial and args.resume and os.path.exists(partial):
         with open(partial) as f:
@@ -91,13 +117,21 @@ def main(argv=None) -> None:
                 f.flush()
                 os.fsync(f.fileno())
 
+    constrain = None
+    if args.constrain == "tool-call":
+        from selfspec.constraint import ToolCallConstraint
+
+        def constrain(q):
+            if not q.meta.get("tools"):
+                raise SystemExit(f"--constrain tool-call: question {q.question_id} offers no tools")
+            return ToolCallConstraint(q.meta["tools"], tokenizer, vocab=model.config.vocab_size)
     records = benchmark.run(model, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, done=done, on_turn=persist)
+                            temperature=args.temperature, done=done, on_turn=persist, constrain=constrain)
     command = "python scripts/benchmark.py " + " ".join(argv or sys.argv[1:])
     if args.out:
-        write(args.out, vars(args), records, command, args.title)
+        write(args.out, vars(args), records, command, args.title, prov)
     else:
-        print(benchmark.markdown_table(benchmark.summarise(records)))
+        print(benchmark.markdown_table(benchmark.summarise(records, by_turn=args.by_turn)))
 
 
 def provenance() -> dict:
@@ -123,7 +157,7 @@ def write(out: str, args: dict, records, command: str, title: str = "", prov: di
     """Write <out>.json (args, command, provenance, summary, records), <out>.md (command + table),
     <out>_overall.md (command + the overall rows only) and plots. ``prov``: the run's stored
     provenance when re-summarising (default: this process's)."""
-    summary = benchmark.summarise(records)
+    summary = benchmark.summarise(records, by_turn=bool(args.get("by_turn")))
     table = benchmark.markdown_table(summary)
     print(table)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

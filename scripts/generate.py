@@ -1,6 +1,6 @@
 """Speculative generation on the embedded default model, measured against plain decoding.
 
-    python scripts/generate.py --prompt "..." [--drafter ngram|none] [--temperature 0.7]
+    python scripts/generate.py --prompt "..." [--drafter ngram|none] [--temperature 0.7] [--stream]
 
 Prints the generated text, tokens/s of plain and speculative decoding, the speedup and the mean
 accepted length, measured side by side in this process (see selfspec/measure.py).
@@ -45,6 +45,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=1, help="alternating plain/speculative runs to time")
     ap.add_argument("--system", default=None, help="optional system message")
     ap.add_argument("--no-adaptive", action="store_true", help="draft every step (no fallback to plain steps)")
+    ap.add_argument("--stream", action="store_true", help="print the speculative run's text as each step is verified")
     args = ap.parse_args(argv)
 
     print(f"loading {args.model} ...", flush=True)
@@ -55,14 +56,21 @@ def main(argv=None) -> None:
     if drafter_spec == "auto":  # the drafter measured fastest for this model, else a shipped one + ngram
         shipped = [k for k in ("eagle3", "medusa") if shipped_checkpoint(args.model, k).is_dir()]
         drafter_spec = recommended_drafter(args.model) or (f"{shipped[0]}+ngram" if shipped else "ngram")
-    drafter = drafter_from_spec(model, drafter_spec, args.model)
+    drafter = drafter_from_spec(model, drafter_spec, args.model, tokenizer)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                top_p=args.top_p, seed=args.seed, adaptive=not args.no_adaptive)
-    result = compare(model, ids, drafter, repeats=args.repeats, **gen)
+    streamer = None
+    if args.stream:
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        print(f"plain run, then the speculative run ({drafter_spec}) streamed as it is verified:\n" + "=" * 72,
+              flush=True)
+    result = compare(model, ids, drafter, repeats=args.repeats, streamer=streamer, **gen)
     spec_name = drafter_spec
     spec, plain = result.spec, result.plain
     text = tokenizer.decode(spec.sequences[0, ids.shape[1]:], skip_special_tokens=True)
-    print("\n" + "=" * 72 + f"\n{text}\n" + "=" * 72)
+    print("=" * 72 if args.stream else "\n" + "=" * 72 + f"\n{text}\n" + "=" * 72)
     print(f"prompt tokens        {ids.shape[1]}")
     print(f"new tokens           plain {plain.stats.new_tokens}, speculative {spec.stats.new_tokens}")
     print(f"plain decoding       {plain.stats.tokens_per_s:7.1f} tokens/s")

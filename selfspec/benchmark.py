@@ -82,15 +82,25 @@ class RunResult:
 
 
 class SelfspecMethod:
-    """``selfspec.generate`` with a drafter (``None``: the baseline)."""
+    """``selfspec.generate`` with a drafter (``None``: the baseline); with ``prefix_cache`` a
+    :class:`~selfspec.prefix_cache.PrefixCache` per session (conversation), new at each
+    :meth:`new_session`, so later turns reuse the earlier turns' keys/values."""
 
-    def __init__(self, drafter: Drafter | None, adaptive: bool = True):
-        self.drafter, self.adaptive = drafter, adaptive
+    def __init__(self, drafter: Drafter | None, adaptive: bool = True, prefix_cache: bool = False):
+        self.drafter, self.adaptive, self.prefix_cache = drafter, adaptive, prefix_cache
+        self.cache = None
 
-    def __call__(self, model, ids, *, max_new_tokens: int, temperature: float, seed: int) -> RunResult:
+    def new_session(self) -> None:
+        if self.prefix_cache:
+            from .prefix_cache import PrefixCache
+
+            self.cache = PrefixCache()
+
+    def __call__(self, model, ids, *, max_new_tokens: int, temperature: float, seed: int, tools=None,
+                 constraint=None) -> RunResult:
         start = time.perf_counter()
         out = generate(model, ids, drafter=self.drafter, max_new_tokens=max_new_tokens, temperature=temperature,
-                       seed=seed, adaptive=self.adaptive)
+                       seed=seed, adaptive=self.adaptive, prefix_cache=self.cache, tools=tools, constraint=constraint)
         wall = time.perf_counter() - start
         s = out.stats
         setup = wall - s.wall_time_s  # argument checks, target wrapper: counted like HF's setup
@@ -120,8 +130,12 @@ class HFMethod:
     def __init__(self, options: dict):
         self.options = options
 
-    def __call__(self, model, ids, *, max_new_tokens: int, temperature: float, seed: int) -> RunResult:
+    def __call__(self, model, ids, *, max_new_tokens: int, temperature: float, seed: int, tools=None,
+                 constraint=None) -> RunResult:
         from transformers.generation.streamers import BaseStreamer
+
+        if constraint is not None:
+            raise ValueError("transformers peers do not run with a selfspec constraint; drop them or --constrain")
 
         streamer = type("FirstToken", (_FirstToken, BaseStreamer), {})()
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
@@ -186,14 +200,19 @@ class PeakMemory:
 Method = Callable[..., RunResult]
 
 
-def method_from_spec(model, spec: str, target: str | None = None, adaptive: bool = True) -> Method:
+def method_from_spec(model, spec: str, target: str | None = None, adaptive: bool = True, tokenizer=None) -> Method:
     """``hf-greedy`` (plain ``generate``; sampling at T > 0), ``hf-prompt-lookup[:N]``,
-    ``hf-early-exit:E``, or any selfspec drafter spec (:func:`selfspec.drafters.drafter_from_spec`);
-    a selfspec spec ending in ``#fixed`` drafts every step (no adaptive fallback)."""
+    ``hf-early-exit:E``, or any selfspec drafter spec (:func:`selfspec.drafters.drafter_from_spec`;
+    ``none`` = plain decoding); a selfspec spec ending in ``#fixed`` drafts every step (no adaptive
+    fallback), one ending in ``~cache`` keeps a prefix KV cache per session."""
     from .drafters import drafter_from_spec
 
+    cache = spec.endswith("~cache")
+    spec = spec.removesuffix("~cache")
     if spec.endswith("#fixed"):
         spec, adaptive = spec.removesuffix("#fixed"), False
+    if cache and spec.startswith("hf-"):
+        raise ValueError(f"~cache is for selfspec methods, not {spec}")
     name, _, arg = spec.partition(":")
     if name == "hf-greedy":
         return HFMethod({})
@@ -203,7 +222,7 @@ def method_from_spec(model, spec: str, target: str | None = None, adaptive: bool
         if not arg:
             raise ValueError("hf-early-exit needs an exit layer: hf-early-exit:8")
         return HFMethod({"assistant_early_exit": int(arg)})
-    return SelfspecMethod(drafter_from_spec(model, spec, target), adaptive)
+    return SelfspecMethod(drafter_from_spec(model, spec, target, tokenizer), adaptive, prefix_cache=cache)
 
 
 def run(
@@ -218,12 +237,15 @@ def run(
     progress: bool = True,
     done: list[Record] | None = None,
     on_turn: Callable[[list[Record]], None] | None = None,
+    constrain: Callable[[Question], object] | None = None,
 ) -> list[Record]:
     """Run ``baseline`` and each method ({name: method, drafter or ``None``}) on every turn.
 
     ``done``: records of an interrupted run; turns whose every method is recorded there are not
     run again (their stored baseline reply continues the conversation). ``on_turn`` receives each
-    newly finished turn's records (to persist them). Returns all records, ``done`` ones included.
+    newly finished turn's records (to persist them). ``constrain(question)``: a fresh
+    :class:`~selfspec.constraint.Constraint` for every run (baseline included: constrained plain
+    decoding is then the reference). Returns all records, ``done`` ones included.
     """
     runners = {name: m if callable(m) and not isinstance(m, Drafter) else SelfspecMethod(m)
                for name, m in methods.items()}
@@ -240,6 +262,9 @@ def run(
     for runner in [baseline, *runners.values()]:  # warm-up: first-call costs hit no measured run
         runner(model, warm, max_new_tokens=2, temperature=temperature, seed=seed)
     for q in questions:
+        for runner in runners.values():
+            if hasattr(runner, "new_session"):
+                runner.new_session()
         history: list[dict] = []
         for turn, user in enumerate(q.turns):
             history.append({"role": "user", "content": user})
@@ -248,13 +273,14 @@ def run(
                 reply = finished[key]
             else:
                 ids = encode_chat(tokenizer, history, system=q.system)
+                limit = (lambda: dict(constraint=constrain(q))) if constrain is not None else dict
                 with PeakMemory(device) as mem:
-                    base = baseline(model, ids, **gen)
+                    base = baseline(model, ids, **gen, **limit())
                 reply = tokenizer.decode(base.sequences[0, ids.shape[1]:], skip_special_tokens=True)
                 turn_records = [_record(q, turn, "baseline", ids, base, True, mem.peak_mib, reply)]
                 for name, runner in runners.items():
                     with PeakMemory(device) as mem:
-                        out = runner(model, ids, **gen)
+                        out = runner(model, ids, **gen, tools=q.meta.get("tools"), **limit())
                     same = torch.equal(out.sequences.cpu(), base.sequences.cpu())
                     rec = _record(q, turn, name, ids, out, same, mem.peak_mib)
                     if not same and temperature == 0:
@@ -288,11 +314,15 @@ def _record(q: Question, turn: int, method: str, ids, out: RunResult, identical:
                   out.accepted_per_depth, out.ttft_s, out.wall_time_s, out.first_tokens, peak_mib, reply)
 
 
-def summarise(records: list[Record]) -> dict[str, dict[str, dict]]:
-    """``{category or "overall": {method: metrics}}`` with speedup against the baseline."""
+def summarise(records: list[Record], by_turn: bool = False) -> dict[str, dict[str, dict]]:
+    """``{category or "overall": {method: metrics}}`` with speedup against the baseline; with
+    ``by_turn`` also ``"turn N"`` groups (every conversation's N-th turn: cold vs warm caches)."""
     groups: dict[str, list[Record]] = {}
     for r in records:
         groups.setdefault(r.category, []).append(r)
+    if by_turn:
+        for r in sorted(records, key=lambda r: r.turn):
+            groups.setdefault(f"turn {r.turn + 1}", []).append(r)
     groups["overall"] = list(records)
     out: dict[str, dict[str, dict]] = {}
     for cat, recs in groups.items():

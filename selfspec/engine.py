@@ -58,6 +58,10 @@ def generate(
     generator: torch.Generator | None = None,
     eos_token_id: int | Iterable[int] | None = None,
     adaptive: bool | AdaptiveConfig = True,
+    streamer=None,
+    prefix_cache=None,
+    tools=None,
+    constraint=None,
 ) -> SpecOutput:
     """Generate from a transformers causal LM, speculatively when a drafter is given.
 
@@ -76,11 +80,117 @@ def generate(
             :class:`AdaptiveConfig` to tune; ``False``: draft every step). Never changes the law
             (greedy: never the text), but which steps draft depends on measured time, so seeded
             sampling repeats token for token only with ``adaptive=False``.
+        streamer: a transformers streamer (``put(ids)`` / ``end()``, e.g. ``TextStreamer``): gets
+            the prompt first (as ``model.generate`` does; ``skip_prompt=True`` skips it), then each
+            step's verified tokens ``[k]`` as soon as they are committed, then ``end()``.
+        prefix_cache: a :class:`selfspec.prefix_cache.PrefixCache`: the prompt's longest cached
+            token prefix is not prefilled again, and this call's prompt and output are stored in it
+            (same output as without it; see that module).
+        tools: the functions the caller offers (OpenAI-style or BFCL JSON-schema list), checked
+            here; drafters that use them (``tools`` kind, unions holding one) draft the text a
+            tool call's grammar forces. Drafting only: the output law does not change.
+        constraint: a :class:`selfspec.constraint.Constraint` (e.g. ``ToolCallConstraint``): its
+            token mask is applied to the target's logits at every tree node, so the output equals
+            constrained plain decoding (``drafter=None`` with the same constraint) exactly.
 
     Raises:
         ValueError: bad sampling parameters, empty / batched / out-of-vocabulary / over-long
             prompt, ``max_new_tokens < 1``, or a drafter built for another model.
     """
+    _check_constraint(constraint)
+    run = _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, generator,
+                   eos_token_id, adaptive, prefix_cache, tools)
+    out = decode(*run, streamer=streamer, prefix_cache=prefix_cache, constraint=constraint)
+    out.sequences = out.sequences.to(input_ids.device if torch.is_tensor(input_ids) else "cpu")
+    return out
+
+
+def stream(model, input_ids, **kwargs) -> "SpecStream":
+    """:func:`generate` as an iterator over each step's verified tokens (``list[int]``, in order;
+    their concatenation is the output). Same arguments as :func:`generate` (``streamer`` too);
+    arguments are checked here, before anything runs. Generation runs in a background thread
+    so the consumer's own time never counts as a decoding step (the adaptive policy and unions
+    time steps); the final :class:`SpecOutput` is ``.output`` once the iterator is exhausted.
+    Errors raised while generating are raised by the iterator."""
+    streamer = kwargs.pop("streamer", None)
+    constraint = kwargs.pop("constraint", None)
+    _check_constraint(constraint)
+    keys = ("drafter", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "generator", "eos_token_id",
+            "adaptive", "prefix_cache", "tools")
+    unknown = set(kwargs) - set(keys)
+    if unknown:
+        raise TypeError(f"stream() got unexpected arguments {sorted(unknown)}")
+    defaults = dict(drafter=None, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+                    generator=None, eos_token_id=None, adaptive=True, prefix_cache=None, tools=None)
+    run = _prepare(model, input_ids, *(kwargs.get(k, defaults[k]) for k in keys))
+    return SpecStream(run, streamer, kwargs.get("prefix_cache"), constraint,
+                      input_ids.device if torch.is_tensor(input_ids) else torch.device("cpu"))
+
+
+class SpecStream:
+    """Iterator of :func:`stream`: yields each step's tokens; ``.output`` when done."""
+
+    _END = object()
+
+    def __init__(self, run: tuple, streamer, prefix_cache, constraint, device):
+        import queue
+        import threading
+
+        self.output: SpecOutput | None = None
+        self._queue: "queue.Queue" = queue.Queue()
+        self._error: BaseException | None = None
+        self._streamer, self._device, self._prefix_cache = streamer, device, prefix_cache
+        self._constraint = constraint
+        self._prompt_seen = False  # the engine puts the prompt first, as model.generate does
+        self._thread = threading.Thread(target=self._work, args=(run,), daemon=True)
+        self._thread.start()
+
+    def put(self, value: torch.Tensor) -> None:  # the engine's streamer interface
+        if self._prompt_seen:
+            self._queue.put(value.tolist())
+        self._prompt_seen = True
+        if self._streamer is not None:
+            self._streamer.put(value)
+
+    def end(self) -> None:
+        if self._streamer is not None:
+            self._streamer.end()
+
+    def _work(self, run: tuple) -> None:
+        try:
+            out = decode(*run, streamer=self, prefix_cache=self._prefix_cache, constraint=self._constraint)
+            out.sequences = out.sequences.to(self._device)
+            self.output = out
+        except BaseException as exc:  # handed to the consumer
+            self._error = exc
+        finally:
+            self._queue.put(self._END)
+
+    def __iter__(self) -> "SpecStream":
+        return self
+
+    def __next__(self) -> list[int]:
+        item = self._queue.get()
+        if item is self._END:
+            self._queue.put(self._END)  # stay exhausted
+            self._thread.join()
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            raise StopIteration
+        return item
+
+
+def _check_constraint(constraint) -> None:
+    from .constraint import Constraint
+
+    if constraint is not None and not isinstance(constraint, Constraint):
+        raise ValueError(f"constraint must be a selfspec.constraint.Constraint, got {type(constraint).__name__}")
+
+
+def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, generator,
+             eos_token_id, adaptive, prefix_cache=None, tools=None) -> tuple:
+    """Check every argument of :func:`generate` and return ``decode``'s positional arguments."""
     cfg = SamplingConfig(temperature, top_k, top_p)
     device = next(model.parameters()).device
     ids = _check_prompt(model, input_ids)
@@ -90,6 +200,18 @@ def generate(
         if not isinstance(drafter, Drafter):
             raise ValueError(f"drafter must be a selfspec Drafter (see build_drafter), got {type(drafter).__name__}")
         drafter.check_target(model)
+    if prefix_cache is not None:
+        from .prefix_cache import PrefixCache
+
+        if not isinstance(prefix_cache, PrefixCache):
+            raise ValueError(f"prefix_cache must be a selfspec PrefixCache, got {type(prefix_cache).__name__}")
+        prefix_cache.check_model(model)
+    if tools is not None:
+        from .tool_grammar import check_tools
+
+        check_tools(tools)
+    if drafter is not None and drafter.uses_tools:
+        drafter.set_tools(tools)
     gen = _make_generator(seed, generator, device)
     eos = _eos_ids(model, eos_token_id)
     target = TreeTarget(model, want_hidden=drafter is not None and drafter.needs_hidden,
@@ -99,9 +221,7 @@ def generate(
     if drafter is not None and adaptive is not False:
         policy = _policy_for(drafter, adaptive if isinstance(adaptive, AdaptiveConfig) else AdaptiveConfig())
         policy.begin()
-    out = decode(target, ids, drafter, cfg, gen, max_new_tokens, eos, limit, policy)
-    out.sequences = out.sequences.to(input_ids.device if torch.is_tensor(input_ids) else "cpu")
-    return out
+    return target, ids, drafter, cfg, gen, max_new_tokens, eos, limit, policy
 
 
 def decode(
@@ -115,6 +235,9 @@ def decode(
     context_limit: int,
     policy: AdaptivePolicy | None = None,
     clock=time.perf_counter,
+    streamer=None,
+    prefix_cache=None,
+    constraint=None,
 ) -> SpecOutput:
     """The speculative loop over an already validated prompt.
 
@@ -122,9 +245,15 @@ def decode(
     :class:`TreeTarget` (tests plug in cheap table-driven targets). ``ids``: ``[L]`` on the CPU.
     ``policy`` (optional) decides per step whether to draft and how deep, from step times read
     off ``clock`` (seconds; tests inject a deterministic one); for a ``self_paced`` drafter it only
-    caps the depth.
+    caps the depth. ``streamer`` (optional, ``put`` / ``end``) gets the prompt ``[1, L]``, then each
+    step's new tokens ``[k]``, then ``end()``. ``prefix_cache`` (optional): reuse and store the
+    target's committed state across calls (:mod:`selfspec.prefix_cache`). ``constraint``
+    (optional): a token mask applied at every tree node before verification
+    (:mod:`selfspec.constraint`).
     """
     stats = SpecStats()
+    if streamer is not None:
+        streamer.put(ids[None].clone())
     share = drafter is not None and drafter.shares_target_cache and getattr(target, "supports_handoff", False)
     start = clock()
     tokens = torch.empty(ids.shape[0] + max_new_tokens, dtype=torch.long)
@@ -132,9 +261,13 @@ def decode(
     length = ids.shape[0]
     if drafter is not None:
         drafter.reset()
-    pre = target.prefill(ids)
+    if constraint is not None:
+        constraint.reset()
+    pre = target.prefill(ids, prefix_cache) if prefix_cache is not None else target.prefill(ids)
+    stats.prefix_reused = getattr(target, "reused", 0)
     root_hidden = pre.hidden[-1] if pre.hidden is not None else None
     features = pre.taps  # taps of committed positions the drafter has not seen yet
+    all_taps = [pre.taps] if prefix_cache is not None and pre.taps is not None else None
     _sync(target)
     stats.prefill_time_s = clock() - start
     finish = "length"
@@ -147,14 +280,20 @@ def decode(
         speculate = drafter is not None and budget > 1 and (policy is None or drafter.self_paced or policy.speculate())
         depth = policy.max_depth(budget - 1) if policy is not None else budget - 1
         ctx = DraftContext(tokens[:length], root_hidden, depth, cfg, gen, target.cache if share else None,
-                           features=features if speculate else None)
+                           features=features if speculate else None, prompt_len=ids.shape[0])
         tree = _checked(drafter.propose(ctx), ctx) if speculate else DraftTree.root_only(int(tokens[length - 1]))
         if speculate:
             features = None
         t1 = clock()
         prefix = target.prefix_len
         scored = target.forward_tree(tree, ctx.handoff) if ctx.handoff is not None else target.forward_tree(tree)
-        verdict = verify_tree(tree, scored.logits, cfg, gen)
+        logits = scored.logits
+        if constraint is not None:  # the same mask plain decoding applies, at every node's own path
+            allowed = constraint.masks(tokens[ids.shape[0]:length].tolist(), tree, logits.shape[-1])
+            if not bool(allowed[0].any()):
+                raise RuntimeError("the constraint allows no token after the output so far")
+            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        verdict = verify_tree(tree, logits, cfg, gen)
         target.commit(verdict.path, prefix)
         _sync(target)
         t2 = clock()
@@ -163,6 +302,8 @@ def decode(
         new = new[:cut]
         tokens[length : length + len(new)] = torch.tensor(new)
         length += len(new)
+        if streamer is not None:
+            streamer.put(torch.tensor(new))
         tested_next = len(tree.children[verdict.path[-1]]) > 0 and not verdict.bonus
         stats.record_step(verdict.num_accepted, tested_next, len(new), tree.num_nodes - 1)
         stats.draft_time_s += t1 - t0
@@ -181,11 +322,19 @@ def decode(
         if scored.taps is not None:
             new_taps = scored.taps[verdict.path]
             features = new_taps if features is None else torch.cat([features, new_taps])
+            if all_taps is not None:
+                all_taps.append(new_taps)
         if cut is not None:
             finish = "eos"
             break
+    if prefix_cache is not None:  # the committed state of prompt + output, for the next call
+        keep = min(length - 1, target.prefix_len)
+        prefix_cache.store(tokens[:keep], target.cache, None if all_taps is None else torch.cat(all_taps),
+                           target.taps)
     if drafter is not None:
         drafter.end(tokens[:length], ids.shape[0])
+    if streamer is not None:
+        streamer.end()
     stats.wall_time_s = clock() - start
     return SpecOutput(tokens[None, :length].clone(), stats, finish)
 

@@ -37,19 +37,21 @@ class Comparison:
         return self.plain_time_s / self.spec_time_s if self.spec_time_s > 0 else 0.0
 
 
-def compare(model, input_ids: torch.Tensor, drafter, *, repeats: int = 1, warmup: bool = True, **gen) -> Comparison:
+def compare(model, input_ids: torch.Tensor, drafter, *, repeats: int = 1, warmup: bool = True, streamer=None,
+            **gen) -> Comparison:
     """Time plain and speculative generation alternately on ``input_ids`` (same ``gen`` kwargs).
 
     With sampling, each repeat uses the same seed for both, so outputs are comparable in law only.
+    ``streamer`` (a transformers streamer) receives the first speculative run as it is generated.
     """
     if warmup:
         generate(model, input_ids, max_new_tokens=4, **_no_budget(gen))
         generate(model, input_ids, drafter=drafter, max_new_tokens=4, **_no_budget(gen))
     plain_t = spec_t = 0.0
     identical = True
-    for _ in range(repeats):
+    for r in range(repeats):
         plain = generate(model, input_ids, **gen)
-        spec = generate(model, input_ids, drafter=drafter, **gen)
+        spec = generate(model, input_ids, drafter=drafter, streamer=streamer if r == 0 else None, **gen)
         plain_t += plain.stats.decode_time_s
         spec_t += spec.stats.decode_time_s
         identical &= torch.equal(plain.sequences, spec.sequences)

@@ -93,26 +93,42 @@ class TreeTarget:
         return self._prefix
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor) -> TreeOutput:
+    def prefill(self, ids: torch.Tensor, prefix_cache=None) -> TreeOutput:
         """Cache ``ids[:-1]`` (``ids``: ``[L]``); the last token is the first root.
+
+        With a :class:`~selfspec.prefix_cache.PrefixCache`, the longest cached prefix's keys/values
+        (and taps) are copied in and only the rest is run; the prompt's state is stored back.
+        ``self.reused`` says how many positions came from it.
 
         Returns ``TreeOutput(None, hidden, taps)``: ``hidden`` ``[1, H]`` is the last hidden state at
         position ``L - 2`` (the one that predicted the root) when hidden states are wanted, ``taps``
         ``[L - 1, D]`` the taps of positions ``0 .. L - 2`` when taps are wanted; both ``None`` for
         a one-token prompt.
         """
-        self.cache = new_cache()
+        self.cache, self.reused, cached_taps = new_cache(), 0, None
         self._prefix = max(0, ids.shape[0] - 1)
         if ids.shape[0] < 2:
             return TreeOutput(None, None, None)
-        inputs = dict(input_ids=ids[None, :-1].to(self.device), cache=self.cache, use_cache=True)
+        if prefix_cache is not None:
+            hit = prefix_cache.lookup(ids, self.taps)
+            if hit is not None:
+                self.cache, self.reused, cached_taps = hit.cache(), hit.length, hit.taps
+        start = self.reused
+        positions = torch.arange(start, ids.shape[0] - 1, device=self.device)[None]
+        inputs = dict(input_ids=ids[None, start:-1].to(self.device), position_ids=positions, cache=self.cache,
+                      use_cache=True)
         with capture_taps(self.model, self.taps) as record:
             if self.decoder is not None:
                 last = self.decoder(**inputs).last_hidden_state[0, -1:]
             else:
                 out = self.model(**inputs, output_hidden_states=self.want_hidden, logits_to_keep=1)
                 last = out.hidden_states[-1][0, -1:] if self.want_hidden else None
-        return TreeOutput(None, last if self.want_hidden else None, record.get()[0] if self.taps else None)
+        taps = record.get()[0] if self.taps else None
+        if taps is not None and cached_taps is not None:
+            taps = torch.cat([cached_taps.to(taps), taps])
+        if prefix_cache is not None:
+            prefix_cache.store(ids[:-1], self.cache, taps, self.taps)
+        return TreeOutput(None, last if self.want_hidden else None, taps)
 
     @torch.no_grad()
     def forward_tree(self, tree: DraftTree, handoff: LayerHandoff | None = None) -> TreeOutput:

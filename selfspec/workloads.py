@@ -4,6 +4,8 @@
   multi-turn questions are replayed turn by turn by the benchmark.
 * BFCL tool-calling files (JSON Lines: ``id``, ``question`` = list of message lists, ``function``
   = JSON-schema tool list); the tool list is rendered into the system message.
+* Agent sessions: multi-turn tool-use records of ``tool_prompts.jsonl.gz`` (``messages`` = user
+  turns, ``tools`` = JSON-schema functions), the tools in the system message of every turn.
 """
 
 from __future__ import annotations
@@ -56,12 +58,39 @@ def load_bfcl(path: str | Path, category: str = "tool_call") -> list[Question]:
         if "question" not in rec or "function" not in rec:
             raise ValueError(f"{path}: not a BFCL file (needs 'question' and 'function')")
         turns = tuple(m["content"] for m in rec["question"][0] if m["role"] == "user")
-        out.append(Question(str(rec["id"]), category, turns, tool_system_message(rec["function"])))
+        out.append(Question(str(rec["id"]), category, turns, tool_system_message(rec["function"]),
+                            {"tools": rec["function"]}))
+    return out
+
+
+def load_tool_sessions(path: str | Path, *, min_turns: int = 2, exclude: set[str] | None = None,
+                       sources: tuple[str, ...] | None = None) -> list[Question]:
+    """Multi-turn tool-use sessions (``tool_prompts.jsonl[.gz]`` records with at least
+    ``min_turns`` user turns), category = the record's source, skipping ids in ``exclude`` (e.g.
+    the records a drafter was distilled on) and sources not in ``sources`` (if given)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    out = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if "tools" not in rec or "messages" not in rec:
+                raise ValueError(f"{path}: not a tool-session file (needs 'messages' and 'tools')")
+            turns = tuple(m["content"] for m in rec["messages"] if m.get("role", "user") == "user")
+            if len(turns) < min_turns or rec["id"] in (exclude or ()) or (sources and rec.get("source") not in sources):
+                continue
+            out.append(Question(str(rec["id"]), str(rec.get("source", "tools")), turns, tool_system_message(rec["tools"]),
+                                {"tools": rec["tools"]}))
     return out
 
 
 def load_questions(path: str | Path) -> list[Question]:
-    """Load either format, told apart by the first record's fields."""
+    """Load any of the formats above, told apart by the first record's fields."""
+    path = Path(path)
+    if path.name.startswith("tool_prompts"):
+        return load_tool_sessions(path)
     first = _jsonl(path)[:1]
     if first and "function" in first[0]:
         return load_bfcl(path)

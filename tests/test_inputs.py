@@ -89,3 +89,56 @@ def test_resolve_local_paths(tmp_path):
     (tmp_path / "w.bin").write_bytes(b"x")
     with pytest.raises(ValueError, match="not a .gguf"):
         resolve(str(tmp_path / "w.bin"))
+
+
+def test_stream_yields_the_generated_tokens_step_by_step_and_feeds_transformers_streamers():
+    import selfspec
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", vocab=64)
+    prompt = torch.tensor([[3, 9, 27, 3, 9, 27, 3, 9, 5, 11]])
+    ngram = selfspec.build_drafter(model, "ngram", min_ngram=1)
+    ref = selfspec.generate(model, prompt, drafter=ngram, max_new_tokens=30, adaptive=False)
+
+    class Recorder:  # the transformers streamer protocol (BaseStreamer: put / end)
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.tolist())
+
+        def end(self):
+            self.ended = True
+
+    rec = Recorder()
+    it = selfspec.stream(model, prompt, drafter=ngram, max_new_tokens=30, adaptive=False, streamer=rec)
+    steps = list(it)
+    assert sum(steps, []) == ref.sequences[0, prompt.shape[1]:].tolist()
+    assert len(steps) == it.output.stats.steps and max(len(s) for s in steps) > 1  # several tokens per step
+    assert torch.equal(it.output.sequences, ref.sequences)
+    assert rec.puts[0] == prompt.tolist() and rec.puts[1:] == steps and rec.ended
+    got = []
+    selfspec.generate(model, prompt, drafter=ngram, max_new_tokens=30, streamer=type("S", (), {
+        "put": lambda self, v: got.append(v.tolist()), "end": lambda self: None})())
+    assert sum(got[1:], []) == sum(steps, []) and sum(map(len, steps)) == 30
+    with pytest.raises(ValueError, match="temperature"):  # checked at the call, before any thread runs
+        selfspec.stream(model, prompt, temperature=-1.0)
+    with pytest.raises(TypeError, match="unexpected"):
+        selfspec.stream(model, prompt, max_tokens=3)
+
+
+def test_stream_works_with_transformers_text_streamer(capsys):
+    import selfspec
+    from transformers import TextStreamer
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", vocab=64)
+
+    class Tok:  # the slice of a tokenizer TextStreamer uses
+        def decode(self, ids, **kw):
+            return "".join(f"<{i}>" for i in ids)
+
+    prompt = torch.tensor([[3, 9, 27, 5]])
+    out = selfspec.generate(model, prompt, max_new_tokens=8, streamer=TextStreamer(Tok(), skip_prompt=True))
+    printed = capsys.readouterr().out
+    assert printed.strip() == "".join(f"<{i}>" for i in out.sequences[0, 4:].tolist())

@@ -16,6 +16,7 @@ from .layerskip import (LayerSkipConfig, LayerSkipDrafter, build_layerskip, laye
 from .medusa import MedusaConfig, MedusaDrafter, build_medusa, medusa_from_checkpoint, medusa_weights
 from .ngram import NgramConfig, NgramDrafter
 from .suffix import SuffixConfig, SuffixDrafter
+from .tool_schema import ToolCallDrafter, ToolDraftConfig
 from .union import UnionDrafter
 
 #: Drafters trained for the packaged targets ship in the repository's checkpoints/ folder.
@@ -26,9 +27,16 @@ _BUILDERS: dict[str, Callable[..., Drafter]] = {}
 _CHECKPOINTS: dict[str, tuple[Callable, Callable]] = {}
 
 
-def register(kind: str, builder: Callable[..., Drafter]) -> None:
-    """Make ``build_drafter(model, kind, **options)`` call ``builder(model, **options)``."""
+_NEEDS_TOKENIZER: set[str] = set()
+
+
+def register(kind: str, builder: Callable[..., Drafter], *, needs_tokenizer: bool = False) -> None:
+    """Make ``build_drafter(model, kind, **options)`` call ``builder(model, **options)``
+    (``needs_tokenizer``: the builder takes the target's ``tokenizer=``, which command-line specs
+    then pass)."""
     _BUILDERS[kind] = builder
+    if needs_tokenizer:
+        _NEEDS_TOKENIZER.add(kind)
 
 
 def build_drafter(model, kind: str, **options) -> Drafter:
@@ -102,7 +110,7 @@ def shipped_checkpoint(target: str, kind: str) -> Path:
     return SHIPPED_CHECKPOINTS / f"{target}-{kind}"
 
 
-def drafter_from_spec(model, spec: str, target: str | None = None) -> Drafter | None:
+def drafter_from_spec(model, spec: str, target: str | None = None, tokenizer=None) -> Drafter | None:
     """Resolve a command-line drafter spec.
 
     * ``none``: plain decoding;
@@ -118,10 +126,10 @@ def drafter_from_spec(model, spec: str, target: str | None = None) -> Drafter | 
     if spec == "none":
         return None
     if "+" in spec:
-        return UnionDrafter([drafter_from_spec(model, s, target) for s in spec.split("+")])
+        return UnionDrafter([drafter_from_spec(model, s, target, tokenizer) for s in spec.split("+")])
     if "@" in spec:
         base, _, opts = spec.partition("@")
-        drafter = drafter_from_spec(model, base, target)
+        drafter = drafter_from_spec(model, base, target, tokenizer)
         if not hasattr(drafter, "with_options"):
             raise ValueError(f"drafters of kind {drafter.kind!r} take no @options")
         return drafter.with_options(**_parse_options(opts))
@@ -136,7 +144,10 @@ def drafter_from_spec(model, spec: str, target: str | None = None) -> Drafter | 
             )
         return load_drafter(path, model)
     kind, _, opts = spec.partition(":")
-    return build_drafter(model, kind, **_parse_options(opts))
+    options = _parse_options(opts)
+    if kind in _NEEDS_TOKENIZER:
+        options["tokenizer"] = tokenizer
+    return build_drafter(model, kind, **options)
 
 
 def _parse_options(text: str) -> dict:
@@ -186,6 +197,13 @@ def _build_suffix(model, **options) -> SuffixDrafter:
     return SuffixDrafter(SuffixConfig(**options), TargetSignature.of(model))
 
 
+def _build_tools(model, tokenizer=None, **options) -> ToolCallDrafter:
+    if tokenizer is None:
+        raise ValueError("the tools drafter needs the target's tokenizer: build_drafter(model, 'tools', tokenizer=tok)")
+    _check_options("tools", ToolDraftConfig, options)
+    return ToolCallDrafter(ToolDraftConfig(**options), tokenizer, TargetSignature.of(model))
+
+
 def _build_union(model, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05) -> UnionDrafter:
     drafter = UnionDrafter(list(members), max_nodes, min_value)
     drafter.check_target(model)
@@ -194,6 +212,7 @@ def _build_union(model, members: list[Drafter], max_nodes: int | None = None, mi
 
 register("ngram", _build_ngram)
 register("suffix", _build_suffix)
+register("tools", _build_tools, needs_tokenizer=True)
 register("union", _build_union)
 register("medusa", _build_medusa)
 _CHECKPOINTS["medusa"] = (medusa_weights, medusa_from_checkpoint)
@@ -203,6 +222,6 @@ register("layerskip", _build_layerskip)
 _CHECKPOINTS["layerskip"] = (layerskip_weights, layerskip_from_checkpoint)
 
 __all__ = [
-    "DraftContext", "Drafter", "Eagle3Config", "Eagle3Drafter", "LayerSkipConfig", "LayerSkipDrafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "SuffixConfig", "SuffixDrafter", "TargetSignature",
+    "DraftContext", "Drafter", "Eagle3Config", "Eagle3Drafter", "LayerSkipConfig", "LayerSkipDrafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "SuffixConfig", "SuffixDrafter", "TargetSignature", "ToolCallDrafter", "ToolDraftConfig",
     "UnionDrafter", "build_drafter", "drafter_from_spec", "load_drafter", "register", "save_drafter", "shipped_checkpoint",
 ]

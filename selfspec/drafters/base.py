@@ -71,6 +71,7 @@ class DraftContext:
         handoff: set by such a drafter when it wrote its first layers' KV for every tree node
             into ``cache`` (a :class:`selfspec.target.LayerHandoff`); the verify pass resumes
             from it.
+        prompt_len: how many of ``tokens`` are the prompt (the rest was generated this call).
         features: for drafters that declare ``taps``: ``[m, len(taps) * H]`` the target's taps of
             the m committed positions ``len(tokens) - 1 - m .. len(tokens) - 2`` this drafter has
             not been shown yet (every committed position is shown exactly once, in order; ``None``
@@ -85,6 +86,7 @@ class DraftContext:
     cache: Any = None
     handoff: Any = None
     features: torch.Tensor | None = None
+    prompt_len: int = 0
 
     @property
     def root_token(self) -> int:
@@ -107,6 +109,9 @@ class Drafter(ABC):
     #: tree for a plain step, e.g. a union's plain arm): the engine's adaptive policy then only caps
     #: the draft depth and never backs it off.
     self_paced: bool = False
+    #: True when the drafter uses the caller's tool definitions (``generate(..., tools=...)``,
+    #: handed over by :meth:`set_tools` before the call).
+    uses_tools: bool = False
 
     def __init__(self, signature: TargetSignature | None = None):
         self.signature = signature
@@ -118,6 +123,9 @@ class Drafter(ABC):
 
     def reset(self) -> None:
         """Called at the start of every generation."""
+
+    def set_tools(self, tools) -> None:
+        """The caller's tools for the coming call(s) (validated), for drafters with ``uses_tools``."""
 
     def end(self, tokens: torch.Tensor, prompt_len: int) -> None:
         """Called once when a generation ends: ``tokens`` ``[L]`` is the prompt (its first

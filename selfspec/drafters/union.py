@@ -23,9 +23,11 @@ slow one's steps; the plain arm does that job per context state instead. Speeds 
 *context state*, the tuple of the members' :meth:`~selfspec.drafters.base.Drafter.context_key`
 (prompt lookup: the longest n-gram that matched), because which arm wins depends on the context:
 prompt lookup alone is best while the output copies its context (extraction, code edits), a
-trained head (or plain steps) where nothing matches. Within a state, every ``probe_every`` steps it
-tries one of the other arms in turn so all estimates stay current; an arm not yet measured in a
-state borrows its speed over all states. So in every state the union runs what its best member
+trained head (or plain steps) where nothing matches. Within a state, each other arm is probed
+every ``probe_every`` steps so all estimates stay current; an arm whose probe finds it still more
+than 10% slower than the best is probed half as often (down to every ``16 * probe_every`` steps;
+one that comes within 10% is back to every ``probe_every``), so exploring clearly losing arms costs
+little; an arm not yet measured in a state borrows its speed over all states. So in every state the union runs what its best member
 with its own policy would run there (that member, or plain steps), up to the probes. Members not
 asked in a step are told to ``skip`` it (so feature-reading drafters stay in sync). Which arm
 drafts depends only on committed tokens and measured past steps, never on the current draws, so
@@ -54,8 +56,9 @@ class UnionDrafter(Drafter):
         max_nodes: node budget of a merged tree (default: the largest member's).
         min_value: merged nodes whose estimated acceptance is below it are not verified.
         decay: per-step decay of the acceptance counts.
-        probe_every: within a context state, every this many steps one of the other arms is tried
-            (in turn); an arm not yet measured in a state is estimated by its speed over all states.
+        probe_every: within a context state, each other arm is tried every this many steps (less
+            often while it keeps losing by over 10%, see above); an arm not yet measured in a
+            state is estimated by its speed over all states.
         rate_decay: per-step decay of an arm's token and second sums (its tokens/s is their ratio).
         clock: seconds as a float (default ``time.perf_counter``; tests inject a step clock).
     """
@@ -81,6 +84,7 @@ class UnionDrafter(Drafter):
                    for m in members]
         self.members, self.max_nodes, self.min_value, self.decay = members, max_nodes, min_value, decay
         self.needs_hidden = any(m.needs_hidden for m in members)
+        self.uses_tools = any(m.uses_tools for m in members)
         taps = {m.taps for m in members if m.taps}
         if len(taps) > 1:
             raise ValueError(f"union members read different target taps {sorted(taps)}")
@@ -98,6 +102,9 @@ class UnionDrafter(Drafter):
         self.state_steps: dict[tuple[int, ...], int] = {}
         self.arm_steps = [0] * len(self.arms)  # how many steps each arm ran (diagnostics)
         self.probe_every, self.rate_decay, self.clock = probe_every, rate_decay, clock
+        self.probe_margin, self.max_probe_wait = 0.1, 16 * probe_every
+        self.probe_wait: dict[tuple, int] = {}  # (state, arm) -> steps between probes of that arm
+        self.last_probe: dict[tuple, int] = {}  # (state, arm) -> the state's step of its last probe
         self._state: tuple[int, ...] = ()
         self._arm, self._pending = len(self.arms) - 1, None
 
@@ -129,15 +136,26 @@ class UnionDrafter(Drafter):
         for m in self.members:
             m.end(tokens, prompt_len)
 
+    def set_tools(self, tools) -> None:
+        for m in self.members:
+            if m.uses_tools:
+                m.set_tools(tools)
+
     def _choose_arm(self, ctx: DraftContext) -> int:
         """Close the timing of the previous step, then pick this step's arm."""
         if self._pending is not None:
-            state, arm, start, length, tokens = self._pending
+            state, arm, start, length, tokens, probe = self._pending
             now = self.clock()
             if ctx.tokens.shape[0] == length + tokens and now > start:  # nothing ran in between
                 for table in (self.sums[state], self.pooled_sums):
                     old = table[arm] or [0.0, 0.0]
                     table[arm] = [self.rate_decay * old[0] + tokens, self.rate_decay * old[1] + (now - start)]
+                if probe:  # a probed arm that still loses clearly is probed half as often
+                    guess = self.estimates(state)
+                    best = max((r or 0.0) for a, r in enumerate(guess) if a != arm)
+                    wait = self.probe_wait.get((state, arm), self.probe_every)
+                    losing = (guess[arm] or 0.0) < (1 - self.probe_margin) * best
+                    self.probe_wait[(state, arm)] = min(self.max_probe_wait, 2 * wait) if losing else self.probe_every
         start = self.clock()  # the state's own cost counts towards the step it decides
         state = self._state = tuple(m.context_key(ctx) for m in self.members)
         sums = self.sums.setdefault(state, [None] * len(self.arms))
@@ -147,15 +165,18 @@ class UnionDrafter(Drafter):
         guess = self.estimates(state)
         unknown = [a for a, r in enumerate(guess) if r is None]
         best = max(range(len(self.arms)), key=lambda a: guess[a] or 0.0)  # ties: the cheaper arm
+        probe = False
         if unknown:
             arm = unknown[0]
-        elif steps % self.probe_every == 0:  # probe the others in turn
-            others = [a for a in range(len(self.arms)) if a != best]
-            fresh = [a for a in others if sums[a] is None]  # not yet measured in this state: first
-            arm = fresh[0] if fresh else others[(steps // self.probe_every) % len(others)]
         else:
-            arm = best
-        self._pending = (state, arm, start, ctx.tokens.shape[0], 0)
+            # other arms are probed when due: unmeasured in this state first, then the longest due
+            due = [a for a in range(len(self.arms)) if a != best
+                   and steps >= self.last_probe.get((state, a), 0) + self.probe_wait.get((state, a), self.probe_every)]
+            due.sort(key=lambda a: (sums[a] is not None, self.last_probe.get((state, a), 0)))
+            arm, probe = (due[0], True) if due else (best, False)
+            if probe:
+                self.last_probe[(state, arm)] = steps
+        self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe)
         self.arm_steps[arm] += 1
         return arm
 
@@ -215,8 +236,8 @@ class UnionDrafter(Drafter):
         """Update each member's acceptance rates: every proposed node whose parent was accepted was
         tested; it was a hit if it is on the accepted path."""
         if self._pending is not None:
-            state, arm, start, length, _ = self._pending
-            self._pending = (state, arm, start, length, verdict.num_accepted + 1)
+            state, arm, start, length, _, probe = self._pending
+            self._pending = (state, arm, start, length, verdict.num_accepted + 1, probe)
         for key in self.tests:
             self.tests[key] *= self.decay
             self.hits[key] = self.hits.get(key, 0.0) * self.decay
