@@ -31,18 +31,24 @@ def allowed_after(output: list[int]) -> torch.Tensor:
     return mask
 
 
+# row t: the mask after a path ending in token t; row VOCAB: the mask of an empty output
+TABLE = torch.stack([allowed_after([t]) for t in range(VOCAB)] + [allowed_after([])])
+
+
 class PathConstraint(Constraint):
+    """The mask of each node's own path (it depends on the path's last token only)."""
+
     def masks(self, output, tree, vocab):
-        toks = tree.tokens.tolist()
-        return torch.stack([allowed_after(output + [toks[j] for j in tree.path_to(i)[1:]])
-                            for i in range(tree.num_nodes)])
+        last = tree.tokens.clone()
+        last[0] = output[-1] if output else VOCAB  # the root: the last generated token, if any
+        return TABLE[last]
 
 
 class RootMaskEverywhere(PathConstraint):
     """Lossy: every node gets the root's mask (a constraint applied once per step, not per node)."""
 
     def masks(self, output, tree, vocab):
-        return allowed_after(output)[None].expand(tree.num_nodes, -1).clone()
+        return TABLE[output[-1] if output else VOCAB][None].expand(tree.num_nodes, -1).clone()
 
 
 def constrained_law(cfg: SamplingConfig) -> dict[tuple[int, ...], float]:
@@ -79,8 +85,9 @@ def test_speculative_law_equals_constrained_plain_law(cfg, draft):
     assert all(s[0] != 0 and (s[0] + 1) % VOCAB != s[1] for s in law)  # the constraint bites
     ok, msg = chi_square_ok(law, draw(cfg, ScriptedDrafter(VOCAB, **draft), PathConstraint()))
     assert ok, msg
-    plain_ok, plain_msg = chi_square_ok(law, draw(cfg, None, PathConstraint(), n=10000), n=10000)
-    assert plain_ok, plain_msg
+    if cfg.top_k == 0 and cfg.top_p == 1.0:  # once: constrained plain decoding itself has this law
+        plain_ok, plain_msg = chi_square_ok(law, draw(cfg, None, PathConstraint(), n=10000), n=10000)
+        assert plain_ok, plain_msg
 
 
 def test_negative_control_root_mask_on_every_node_fails():
