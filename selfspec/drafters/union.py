@@ -23,11 +23,12 @@ slow one's steps; the plain arm does that job per context state instead. Speeds 
 *context state*, the tuple of the members' :meth:`~selfspec.drafters.base.Drafter.context_key`
 (prompt lookup: the longest n-gram that matched), because which arm wins depends on the context:
 prompt lookup alone is best while the output copies its context (extraction, code edits), a
-trained head (or plain steps) where nothing matches. Within a state, each other arm is probed
-every ``probe_every`` steps so all estimates stay current; an arm whose probe finds it still more
-than 10% slower than the best is probed half as often (down to every ``16 * probe_every`` steps;
-one that comes within 10% is back to every ``probe_every``), so exploring clearly losing arms costs
-little; an arm not yet measured in a state borrows its speed over all states. So in every state the union runs what its best member
+trained head (or plain steps) where nothing matches. Within a state, at most one step in
+``probe_every`` probes another arm, so all estimates stay current; an arm whose probe finds it
+still more than 10% slower than the best is probed half as often (down to every
+``16 * probe_every`` steps; one that comes within 10% is back to every ``probe_every``), and a new
+state starts each arm from its latest wait anywhere, so exploring clearly losing arms costs little;
+an arm not yet measured in a state borrows its speed over all states. So in every state the union runs what its best member
 with its own policy would run there (that member, or plain steps), up to the probes. Members not
 asked in a step are told to ``skip`` it (so feature-reading drafters stay in sync). Which arm
 drafts depends only on committed tokens and measured past steps, never on the current draws, so
@@ -104,7 +105,8 @@ class UnionDrafter(Drafter):
         self.probe_every, self.rate_decay, self.clock = probe_every, rate_decay, clock
         self.probe_margin, self.max_probe_wait = 0.1, 16 * probe_every
         self.probe_wait: dict[tuple, int] = {}  # (state, arm) -> steps between probes of that arm
-        self.last_probe: dict[tuple, int] = {}  # (state, arm) -> the state's step of its last probe
+        self.last_probe: dict[tuple, int] = {}  # (state, arm) or state -> the state's step of its last probe
+        self.arm_wait = [probe_every] * len(self.arms)  # each arm's latest wait in any state
         self._state: tuple[int, ...] = ()
         self._arm, self._pending = len(self.arms) - 1, None
 
@@ -153,9 +155,10 @@ class UnionDrafter(Drafter):
                 if probe:  # a probed arm that still loses clearly is probed half as often
                     guess = self.estimates(state)
                     best = max((r or 0.0) for a, r in enumerate(guess) if a != arm)
-                    wait = self.probe_wait.get((state, arm), self.probe_every)
+                    wait = self._wait(state, arm)
                     losing = (guess[arm] or 0.0) < (1 - self.probe_margin) * best
-                    self.probe_wait[(state, arm)] = min(self.max_probe_wait, 2 * wait) if losing else self.probe_every
+                    self.probe_wait[(state, arm)] = self.arm_wait[arm] = (
+                        min(self.max_probe_wait, 2 * wait) if losing else self.probe_every)
         start = self.clock()  # the state's own cost counts towards the step it decides
         state = self._state = tuple(m.context_key(ctx) for m in self.members)
         sums = self.sums.setdefault(state, [None] * len(self.arms))
@@ -169,16 +172,24 @@ class UnionDrafter(Drafter):
         if unknown:
             arm = unknown[0]
         else:
-            # other arms are probed when due: unmeasured in this state first, then the longest due
-            due = [a for a in range(len(self.arms)) if a != best
-                   and steps >= self.last_probe.get((state, a), 0) + self.probe_wait.get((state, a), self.probe_every)]
+            # at most one probe per probe_every steps in a state; an arm is due after its own wait
+            # (unmeasured in this state first, then the longest due)
+            due = [] if steps < self.last_probe.get(state, 0) + self.probe_every else [
+                a for a in range(len(self.arms)) if a != best
+                and steps >= self.last_probe.get((state, a), 0) + self._wait(state, a)]
             due.sort(key=lambda a: (sums[a] is not None, self.last_probe.get((state, a), 0)))
             arm, probe = (due[0], True) if due else (best, False)
             if probe:
-                self.last_probe[(state, arm)] = steps
+                self.last_probe[(state, arm)] = self.last_probe[state] = steps
         self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe)
         self.arm_steps[arm] += 1
         return arm
+
+    def _wait(self, state: tuple[int, ...], arm: int) -> int:
+        """Steps between probes of ``arm`` in ``state``; a state that has not probed the arm yet
+        starts from the arm's latest wait in any state (an arm losing everywhere is not re-learnt
+        per state)."""
+        return self.probe_wait.get((state, arm), self.arm_wait[arm])
 
     def estimates(self, state: tuple[int, ...]) -> list[float | None]:
         """Estimated tokens/s of each arm in context ``state`` (its own measurement, else the arm's
