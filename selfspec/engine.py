@@ -97,10 +97,9 @@ def generate(
         ValueError: bad sampling parameters, empty / batched / out-of-vocabulary / over-long
             prompt, ``max_new_tokens < 1``, or a drafter built for another model.
     """
-    _check_constraint(constraint)
     run = _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, generator,
-                   eos_token_id, adaptive, prefix_cache, tools)
-    out = decode(*run, streamer=streamer, prefix_cache=prefix_cache, constraint=constraint)
+                   eos_token_id, adaptive, prefix_cache, tools, constraint)
+    out = decode(**run, streamer=streamer)
     out.sequences = out.sequences.to(input_ids.device if torch.is_tensor(input_ids) else "cpu")
     return out
 
@@ -112,19 +111,16 @@ def stream(model, input_ids, **kwargs) -> "SpecStream":
     so the consumer's own time never counts as a decoding step (the adaptive policy and unions
     time steps); the final :class:`SpecOutput` is ``.output`` once the iterator is exhausted.
     Errors raised while generating are raised by the iterator."""
-    streamer = kwargs.pop("streamer", None)
-    constraint = kwargs.pop("constraint", None)
-    _check_constraint(constraint)
-    keys = ("drafter", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "generator", "eos_token_id",
-            "adaptive", "prefix_cache", "tools")
-    unknown = set(kwargs) - set(keys)
-    if unknown:
-        raise TypeError(f"stream() got unexpected arguments {sorted(unknown)}")
-    defaults = dict(drafter=None, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                    generator=None, eos_token_id=None, adaptive=True, prefix_cache=None, tools=None)
-    run = _prepare(model, input_ids, *(kwargs.get(k, defaults[k]) for k in keys))
-    return SpecStream(run, streamer, kwargs.get("prefix_cache"), constraint,
-                      input_ids.device if torch.is_tensor(input_ids) else torch.device("cpu"))
+    import inspect
+
+    try:
+        bound = inspect.signature(generate).bind(model, input_ids, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"stream() got unexpected arguments: {err}") from None
+    bound.apply_defaults()
+    args = dict(bound.arguments)
+    streamer = args.pop("streamer")
+    return SpecStream(_prepare(**args), streamer, input_ids.device if torch.is_tensor(input_ids) else torch.device("cpu"))
 
 
 class SpecStream:
@@ -132,15 +128,14 @@ class SpecStream:
 
     _END = object()
 
-    def __init__(self, run: tuple, streamer, prefix_cache, constraint, device):
+    def __init__(self, run: dict, streamer, device):
         import queue
         import threading
 
         self.output: SpecOutput | None = None
         self._queue: "queue.Queue" = queue.Queue()
         self._error: BaseException | None = None
-        self._streamer, self._device, self._prefix_cache = streamer, device, prefix_cache
-        self._constraint = constraint
+        self._streamer, self._device = streamer, device
         self._prompt_seen = False  # the engine puts the prompt first, as model.generate does
         self._thread = threading.Thread(target=self._work, args=(run,), daemon=True)
         self._thread.start()
@@ -156,9 +151,9 @@ class SpecStream:
         if self._streamer is not None:
             self._streamer.end()
 
-    def _work(self, run: tuple) -> None:
+    def _work(self, run: dict) -> None:
         try:
-            out = decode(*run, streamer=self, prefix_cache=self._prefix_cache, constraint=self._constraint)
+            out = decode(**run, streamer=self)
             out.sequences = out.sequences.to(self._device)
             self.output = out
         except BaseException as exc:  # handed to the consumer
@@ -189,8 +184,9 @@ def _check_constraint(constraint) -> None:
 
 
 def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, generator,
-             eos_token_id, adaptive, prefix_cache=None, tools=None) -> tuple:
-    """Check every argument of :func:`generate` and return ``decode``'s positional arguments."""
+             eos_token_id, adaptive, prefix_cache=None, tools=None, constraint=None) -> dict:
+    """Check every argument of :func:`generate` and return ``decode``'s arguments."""
+    _check_constraint(constraint)
     cfg = SamplingConfig(temperature, top_k, top_p)
     device = next(model.parameters()).device
     ids = _check_prompt(model, input_ids)
@@ -221,7 +217,8 @@ def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_
     if drafter is not None and adaptive is not False:
         policy = _policy_for(drafter, adaptive if isinstance(adaptive, AdaptiveConfig) else AdaptiveConfig())
         policy.begin()
-    return target, ids, drafter, cfg, gen, max_new_tokens, eos, limit, policy
+    return dict(target=target, ids=ids, drafter=drafter, cfg=cfg, gen=gen, max_new_tokens=max_new_tokens, eos=eos,
+                context_limit=limit, policy=policy, prefix_cache=prefix_cache, constraint=constraint)
 
 
 def decode(
