@@ -10,14 +10,13 @@ constraint forbids has probability 0 and is rejected). The mask is applied befor
 top-k and top-p, as structured-output engines do.
 
 :class:`ToolCallConstraint` is the grammar of one tool call (see :mod:`selfspec.tool_grammar`),
-optionally wrapped in the model's own call markers (``prefix`` / ``suffix``, e.g.
-``<tool_call>[`` / ``]</tool_call>``), compiled by llguidance; end-of-sequence is allowed only once
-the call is complete.
+in the model's own call format (:class:`~selfspec.tool_grammar.CallFormat`: markers such as
+``<tool_call>\n`` / ``\n</tool_call>``, detected from the chat template by default), compiled by
+llguidance; end-of-sequence is allowed only once the call is complete.
 """
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 
 import torch
@@ -41,26 +40,26 @@ class Constraint(ABC):
 
 
 class ToolCallConstraint(Constraint):
-    """Output = ``prefix`` + one call to one of ``tools`` (compact JSON) + ``suffix``, then EOS.
+    """Output = one call to one of ``tools`` in the model's call format, then EOS.
 
     Args:
         tools: OpenAI-style or BFCL function list.
         tokenizer: the target's fast tokenizer.
-        prefix / suffix: literal text around the call (the model's call markers).
+        call_format: a :class:`~selfspec.tool_grammar.CallFormat`, a name in ``CALL_FORMATS``, or
+            ``"auto"`` (from the tokenizer's chat template).
         vocab: the model's vocabulary size (default: the tokenizer's).
     """
 
-    def __init__(self, tools, tokenizer, prefix: str = "", suffix: str = "", vocab: int | None = None):
+    def __init__(self, tools, tokenizer, call_format="auto", vocab: int | None = None):
         import llguidance
         import llguidance.hf
 
-        from .tool_grammar import call_schema
+        from .tool_grammar import call_format as as_format
+        from .tool_grammar import call_grammar
 
+        self.format = as_format(call_format, tokenizer)
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
-        lark = "start: " + " ".join(x for x in (json.dumps(prefix) if prefix else "", "call",
-                                                  json.dumps(suffix) if suffix else "") if x)
-        lark += "\ncall: %json " + json.dumps(call_schema(tools))
-        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar(tools, self.format))
         msg = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)  # "" when valid
         if msg:
             raise ValueError(f"tool-call grammar does not compile: {msg}")

@@ -16,6 +16,16 @@ call starts (the latest ``{`` from which the text so far is a valid prefix of a 
 grammar on every committed character, and reports the text the grammar forces next (keys,
 punctuation, the rest of a tool name once the prefix is unique): free drafts.
 
+Models wrap calls in their own markers. :class:`CallFormat` says how (the text that opens a call,
+the text that closes it, the key of the arguments), :data:`CALL_FORMATS` holds the formats of the
+common chat templates, and :func:`detect_call_format` picks one from a tokenizer's chat template:
+Hermes / Qwen2.5 / Qwen3 / SmolLM3 write ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>``,
+Llama 3.1-3.3 write bare JSON with ``"parameters"``, Mistral (v0.3 templates) writes
+``[TOOL_CALLS] [{...}]``; a template with no tool markup (SmolLM2) gets bare JSON with
+``"arguments"``. The markers are part of the grammar, so they are forced text too (the closing
+marker after a complete call), and a call is looked for only where the model wrote the opening
+marker (bare JSON: any ``{``).
+
 llguidance was chosen over xgrammar and outlines-core by what installs here: a 3 MB wheel with no
 dependencies (xgrammar pulls Triton and a TVM runtime), and an API that returns forced bytes
 (``compute_ff_bytes``), which is exactly what drafting needs.
@@ -25,6 +35,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+from dataclasses import dataclass
 
 _BFCL_TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": None, "list": "array",
                "str": "string", "int": "integer", "bool": "boolean"}
@@ -68,10 +80,76 @@ def check_tools(tools) -> list[dict]:
     return out
 
 
-def call_schema(tools) -> dict:
+@dataclass(frozen=True)
+class CallFormat:
+    """How a model writes one tool call: ``open`` + ``{"name": ..., <args_key>: {...}}`` + ``close``.
+
+    Attributes:
+        name: the format's name (a key of :data:`CALL_FORMATS`).
+        open / close: literal text around the call's JSON ("" for bare JSON).
+        args_key: the key holding the arguments (``"arguments"``; Llama 3 writes ``"parameters"``).
+    """
+
+    name: str
+    open: str = ""
+    close: str = ""
+    args_key: str = "arguments"
+
+    @property
+    def marker(self) -> str:
+        """The text whose appearance starts a call: the opening marker, or ``{`` for bare JSON."""
+        return self.open.strip() or "{"
+
+
+CALL_FORMATS: dict[str, CallFormat] = {
+    "json": CallFormat("json"),
+    "hermes": CallFormat("hermes", "<tool_call>\n", "\n</tool_call>"),
+    "llama3": CallFormat("llama3", args_key="parameters"),
+    "mistral": CallFormat("mistral", "[TOOL_CALLS] [", "]"),
+}
+
+
+def call_format(spec: "str | CallFormat | None", tokenizer=None) -> CallFormat:
+    """``spec`` as a :class:`CallFormat`: a format, a name in :data:`CALL_FORMATS`, or ``"auto"`` /
+    ``None`` (detected from ``tokenizer``'s chat template; bare JSON without a tokenizer)."""
+    if isinstance(spec, CallFormat):
+        return spec
+    if spec in (None, "auto"):
+        return detect_call_format(tokenizer) if tokenizer is not None else CALL_FORMATS["json"]
+    if spec not in CALL_FORMATS:
+        raise ValueError(f"unknown tool-call format {spec!r}; expected 'auto' or one of {sorted(CALL_FORMATS)}")
+    return CALL_FORMATS[spec]
+
+
+def detect_call_format(tokenizer) -> CallFormat:
+    """The call format a tokenizer's chat template writes (see the module docstring); bare JSON
+    with ``"arguments"`` when the template has no tool markup."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates (e.g. {"default": ..., "tool_use": ...})
+        template = "\n".join(str(t) for t in template.values())
+    elif isinstance(template, list):
+        template = "\n".join(str(t.get("template", "")) for t in template)
+    if "<tool_call>" in template:
+        return CALL_FORMATS["hermes"]
+    if "[TOOL_CALLS]" in template:
+        return CALL_FORMATS["mistral"]
+    if re.search(r"""["']?\\?"parameters\\?"\s*:""", template) and ("ipython" in template or "<|eom_id|>" in template):
+        return CALL_FORMATS["llama3"]
+    return CALL_FORMATS["json"]
+
+
+def call_grammar(tools, fmt: CallFormat | None = None) -> str:
+    """A Lark grammar (llguidance's dialect) of ``fmt.open`` + one call to one of ``tools`` + ``fmt.close``."""
+    fmt = fmt or CALL_FORMATS["json"]
+    parts = [json.dumps(fmt.open) if fmt.open else "", "call", json.dumps(fmt.close) if fmt.close else ""]
+    return ("start: " + " ".join(x for x in parts if x) + "\ncall: %json "
+            + json.dumps(call_schema(tools, fmt.args_key)))
+
+
+def call_schema(tools, args_key: str = "arguments") -> dict:
     """JSON Schema of one call to one of ``tools``, in compact style (no free whitespace)."""
-    options = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in check_tools(tools)]
+    options = [{"type": "object", "properties": {"name": {"const": t["name"]}, args_key: t["parameters"]},
+                "required": ["name", args_key], "additionalProperties": False} for t in check_tools(tools)]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
                                      "lenient": True}}
@@ -83,16 +161,17 @@ class ToolCallTracker:
     Args:
         tools: the caller's functions (see :func:`check_tools`).
         ll_tokenizer: an ``llguidance.LLTokenizer`` for the target's tokenizer.
+        fmt: the model's call format (default: bare JSON).
 
     Call :meth:`update` with the whole output text so far (it must only grow), then read
     :meth:`forced`. Never raises on text that is not a call: it just forces nothing.
     """
 
-    def __init__(self, tools, ll_tokenizer):
+    def __init__(self, tools, ll_tokenizer, fmt: CallFormat | None = None):
         import llguidance
 
-        self.ll_tokenizer = ll_tokenizer
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(call_schema(tools)))
+        self.ll_tokenizer, self.format = ll_tokenizer, fmt or CALL_FORMATS["json"]
+        grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar(tools, self.format))
         msg = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)  # "" when valid
         if msg:
             raise ValueError(f"the tools' parameter schemas do not compile to a grammar: {msg}")
@@ -134,8 +213,8 @@ class ToolCallTracker:
                 self.fed = len(text)
                 if self.matcher.is_accepting():
                     self.start, self.scan, self.calls = None, len(text), self.calls + 1
-        while self.start is None:  # the earliest "{" from which the text is a call so far
-            at = text.find("{", self.scan)
+        while self.start is None:  # the earliest marker from which the text is a call so far
+            at = text.find(self.format.marker, self.scan)
             if at < 0 or self._try_start(at):
                 break
             self.scan = at + 1  # a text that left the grammar never re-enters it

@@ -99,3 +99,85 @@ def test_drafter_proposes_the_forced_tokens_and_output_is_exact(tokenizer):
         selfspec.generate(model, ids, drafter=drafter, max_new_tokens=2, tools=[{"description": "x"}])
     with pytest.raises(ValueError, match="tokenizer"):
         selfspec.build_drafter(model, "tools")
+
+
+HERMES_TEMPLATE = ("{%- if tools %}For each function call, return a json object within <tool_call></tool_call> "
+                   "XML tags{%- endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                   "{%- endfor %}")
+LLAMA3_TEMPLATE = ('{%- if tools %}Respond in the format {"name": function name, "parameters": dictionary of argument '
+                   'name and its value}.{%- endif %}{%- if m.role == "ipython" %}<|start_header_id|>ipython'
+                   '<|end_header_id|>{%- endif %}<|eom_id|>')
+MISTRAL_TEMPLATE = '{%- if message.tool_calls %}{{- "[TOOL_CALLS] [" }}{%- endif %}'
+
+
+def test_call_format_is_detected_from_the_chat_template(tokenizer):
+    import copy
+
+    from selfspec.tool_grammar import CALL_FORMATS, call_format, detect_call_format
+
+    assert detect_call_format(tokenizer).name == "json"  # SmolLM2's template has no tool markup
+    for template, name in ((HERMES_TEMPLATE, "hermes"), (LLAMA3_TEMPLATE, "llama3"), (MISTRAL_TEMPLATE, "mistral"),
+                           ({"default": "x", "tool_use": HERMES_TEMPLATE}, "hermes")):
+        tok = copy.copy(tokenizer)
+        tok.chat_template = template
+        assert detect_call_format(tok).name == name
+        assert call_format("auto", tok) is CALL_FORMATS[name]
+    assert call_format("llama3").args_key == "parameters"
+    with pytest.raises(ValueError, match="unknown tool-call format"):
+        call_format("xml")
+    with pytest.raises(ValueError, match="call_format"):
+        selfspec.build_drafter(tiny_model("llama", vocab=len(tokenizer), layers=1), "tools", tokenizer=tokenizer,
+                               call_format="xml")
+
+
+def test_tracker_follows_the_models_own_call_markers(tokenizer):
+    import llguidance.hf
+
+    from selfspec.tool_grammar import CALL_FORMATS
+
+    ll = llguidance.hf.from_tokenizer(tokenizer)
+    hermes = ToolCallTracker(TOOLS, ll, CALL_FORMATS["hermes"])
+    prose = 'Here is JSON: {"name": "get_'
+    hermes.update(prose)
+    assert hermes.forced() == ""  # a bare "{" is not this model's call
+    call = prose + ' and now <tool_call>'
+    hermes.update(call)
+    assert hermes.forced() == '\n{"name": "get_'
+    hermes.update(call + '\n{"name": "get_time", "arguments": {"zone": "UTC", "precise": true}')
+    assert hermes.forced() == "}\n</tool_call>"  # the closing marker is forced text too
+    hermes.update(call + '\n{"name": "get_time", "arguments": {"zone": "UTC", "precise": true}}\n</tool_call>')
+    assert hermes.forced() == "" and hermes.calls == 1
+    llama = ToolCallTracker(TOOLS, ll, CALL_FORMATS["llama3"])
+    llama.update('{"name": "get_w')
+    assert llama.forced() == 'eather", "parameters": {"city": "'
+    mistral = ToolCallTracker(TOOLS, ll, CALL_FORMATS["mistral"])
+    mistral.update('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "x"')
+    assert mistral.forced() == ""  # "precise" is optional: the model may close or go on
+    mistral.update('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "x"}')
+    assert mistral.forced() == "}]"
+
+
+def test_hermes_format_drafts_markers_and_constrained_output_is_exact(tokenizer):
+    import copy
+
+    from selfspec.constraint import ToolCallConstraint
+
+    tok = copy.copy(tokenizer)
+    tok.chat_template = HERMES_TEMPLATE
+    model = tiny_model("llama", vocab=len(tok), layers=2)
+    drafter = selfspec.build_drafter(model, "tools", tokenizer=tok, trim_last=False)
+    assert drafter.format.name == "hermes"
+    drafter.set_tools(TOOLS)
+    prompt = tok.encode("call it")
+    ctx = DraftContext(torch.tensor(prompt + tok.encode("<tool_call>")), None, 16, SamplingConfig(0.0),
+                       torch.Generator(), prompt_len=len(prompt))
+    assert tok.decode(drafter.propose(ctx).tokens[1:].tolist()) == '\n{"name": "get_'
+    # constrained: the output is a call in the model's markers, identical with and without drafts
+    ids = torch.tensor([prompt])
+    plain = selfspec.generate(model, ids, max_new_tokens=48, constraint=ToolCallConstraint(TOOLS, tok))
+    spec = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=48, tools=TOOLS, adaptive=False,
+                             constraint=ToolCallConstraint(TOOLS, tok))
+    assert torch.equal(plain.sequences, spec.sequences)
+    text = tok.decode(plain.sequences[0, len(prompt):].tolist())
+    assert text.startswith('<tool_call>\n{"name": "get_'), text
+    assert spec.stats.steps < plain.stats.steps  # the markers and keys were drafted and accepted
