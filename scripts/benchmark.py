@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     if args.resume and not args.out:
         ap.error("--resume needs --out")
 
-    prov = provenance()  # the code as it is when the run starts
+    prov = benchmark.provenance()  # the code as it is when the run starts
     model, tokenizer = selfspec.load_target(args.model, dtype=args.dtype)
     questions = []
     for path in args.questions:
@@ -134,25 +134,6 @@ def main(argv=None) -> None:
         print(benchmark.markdown_table(benchmark.summarise(records, by_turn=args.by_turn)))
 
 
-def provenance() -> dict:
-    """Commit, package versions and machine of this run (so a number can be traced)."""
-    import platform
-    import subprocess
-
-    import torch
-    import transformers
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = None, None
-    return {"commit": commit, "dirty": dirty, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-            "torch_threads": torch.get_num_threads()}
-
-
 def write(out: str, args: dict, records, command: str, title: str = "", prov: dict | None = None) -> None:
     """Write <out>.json (args, command, provenance, summary, records), <out>.md (command + table),
     <out>_overall.md (command + the overall rows only) and plots. ``prov``: the run's stored
@@ -163,7 +144,7 @@ def write(out: str, args: dict, records, command: str, title: str = "", prov: di
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tmp = out + ".json.tmp"
     with open(tmp, "w") as f:
-        json.dump({"args": args, "command": command, "provenance": prov or provenance(), "summary": summary,
+        json.dump({"args": args, "command": command, "provenance": prov or benchmark.provenance(), "summary": summary,
                    "records": benchmark.as_rows(records)}, f, indent=1)
     os.replace(tmp, out + ".json")
     with open(out + ".md", "w") as f:

@@ -425,3 +425,23 @@ def plot(summary: dict[str, dict[str, dict]], prefix: str, title: str = "") -> l
     fig.savefig(paths[1], dpi=110)
     plt.close(fig)
     return paths
+
+
+def provenance() -> dict:
+    """Commit, package versions and machine of this run (so a number can be traced)."""
+    import os
+    import platform
+    import subprocess
+
+    import torch
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = None, None
+    return {"commit": commit, "dirty": dirty, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+            "torch_threads": torch.get_num_threads()}
