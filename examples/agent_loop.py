@@ -39,6 +39,7 @@ from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.constraint import ToolCallConstraint  # noqa: E402
 from selfspec.drafters import drafter_from_spec  # noqa: E402
 from selfspec.prefix_cache import PrefixCache  # noqa: E402
+from selfspec.tree import TreeBuilder  # noqa: E402
 
 TOOLS = [
     {"name": "get_weather", "description": "Current weather in a city.",
@@ -140,6 +141,8 @@ def main(argv=None) -> None:
             ids = encode_chat(tok, messages, system=system)
             gen = dict(max_new_tokens=args.max_answer_tokens if phase == "answer" else 96)
             grammar = ToolCallConstraint(TOOLS, tok, vocab=model.config.vocab_size) if phase == "call" else None
+            if grammar is not None:  # the grammar engine builds its lexer lazily: not inside a timing
+                grammar.masks([], TreeBuilder(int(ids[0, -1])).build(), model.config.vocab_size)
             plain = selfspec.generate(model, ids, constraint=grammar, **gen)
             spec = selfspec.generate(model, ids, drafter=drafter, tools=TOOLS, prefix_cache=cache,
                                      constraint=grammar, **gen)  # (the engine resets the constraint)
