@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+import pytest
+
 from selfspec.drafters import UnionDrafter
 from selfspec.engine import decode
 from selfspec.sampling import SamplingConfig
@@ -128,24 +130,32 @@ def _race(members_and_union, reference, clock):
     return speeds
 
 
-def test_union_is_at_least_as_fast_as_its_best_member():
+@pytest.mark.parametrize("head_keys,first_match", [(1, 0), (5, 40)])
+def test_union_is_at_least_as_fast_as_its_best_member(head_keys, first_match):
     """A slow head that is never right (its arm loses to plain steps everywhere) and a prompt-lookup
     -like member that matches only in alternate stretches (its ``context_key`` says where; elsewhere it
     drafts nothing). The union must run about as fast as the lookup member alone, which its adaptive
-    policy runs exactly where it pays. Negative control: a union that always drafts the merged tree
-    (the design before arms) fails the same bound."""
+    policy runs exactly where it pays. In the second case the lookup member first matches after 40
+    tokens (so its speed is first measured where it drafts nothing) and the head's own key changes
+    every token (so context states multiply): the lookup member's speed where it matches must carry
+    over between states that differ only in the head's key.
+    Negative control: a union that always drafts the merged tree (the design before arms) fails the
+    same bound."""
     clock = _Clock()
     reference = decode(table_target(), torch.tensor([1, 2]), None, SamplingConfig(0.0), torch.Generator(),
                        420, set(), 1000).sequences[0].tolist()
 
     class SlowWrong(OracleDrafter):
+        def context_key(self, ctx):
+            return ctx.tokens.shape[0] % head_keys
+
         def propose(self, ctx):
             clock.spend(0.3)  # a draft head's cost per step
             return super().propose(ctx)
 
     class Lookup(OracleDrafter):
         def context_key(self, ctx):
-            return int((ctx.tokens.shape[0] // 40) % 2 == 0)
+            return int(((ctx.tokens.shape[0] + first_match) // 40) % 2 == 0)
 
         def propose(self, ctx):
             clock.spend(0.01)

@@ -19,16 +19,20 @@ no drafting, one token), each member alone, and the merge of all, by measured ou
 second of the steps each arm ran (time from one proposal to the next, as decayed sums of tokens and
 seconds). It is *self-paced* (:attr:`Drafter.self_paced`): the engine's adaptive policy only caps
 its depth and never backs it off, because one shared back-off would punish a paying member for a
-slow one's steps; the plain arm does that job per context state instead. Speeds are kept per
-*context state*, the tuple of the members' :meth:`~selfspec.drafters.base.Drafter.context_key`
-(prompt lookup: the longest n-gram that matched), because which arm wins depends on the context:
-prompt lookup alone is best while the output copies its context (extraction, code edits), a
-trained head (or plain steps) where nothing matches. Within a state, at most one step in
+slow one's steps; the plain arm does that job per context state instead. Which arm wins depends
+on the context: prompt lookup alone is best while the output copies its context (extraction, code
+edits), a trained head (or plain steps) where nothing matches. Members say how promising a context
+looks through :meth:`~selfspec.drafters.base.Drafter.context_key` (prompt lookup: the longest
+n-gram that matched); the *context state* is the tuple of all members' keys, and each arm's speed
+is kept under the keys of its own members only: plain steps once, a member alone per its own key
+(prompt lookup with a 4-gram match is as fast whatever the head's key says), the merge per state.
+A member alone is tried as soon as its own key is new (a member has few keys, so this exploration
+is bounded); the merge, new in a state, borrows its speed over all states. Within a state, at most one step in
 ``probe_every`` probes another arm, so all estimates stay current; an arm whose probe finds it
 still more than 10% slower than the best is probed half as often (down to every
 ``16 * probe_every`` steps; one that comes within 10% is back to every ``probe_every``), and a new
-state starts each arm from its latest wait anywhere, so exploring clearly losing arms costs little;
-an arm not yet measured in a state borrows its speed over all states. So in every state the union runs what its best member
+state starts each arm from its latest wait anywhere, so exploring clearly losing arms costs little.
+So in every state the union runs what its best member
 with its own policy would run there (that member, or plain steps), up to the probes. Members not
 asked in a step are told to ``skip`` it (so feature-reading drafters stay in sync). Which arm
 drafts depends only on committed tokens and measured past steps, never on the current draws, so
@@ -97,8 +101,8 @@ class UnionDrafter(Drafter):
         self.arms: list[tuple[int, ...]] = [()] + [(i,) for i in range(len(members))]
         if len(members) > 1:
             self.arms.append(tuple(range(len(members))))
-        # decayed [tokens, seconds] per arm, per context state and over all states
-        self.sums: dict[tuple[int, ...], list[list[float] | None]] = {}
+        # decayed [tokens, seconds] per (arm, the keys of the arm's members) and per arm over all keys
+        self.sums: dict[tuple[int, tuple[int, ...]], list[float]] = {}
         self.pooled_sums: list[list[float] | None] = [None] * len(self.arms)
         self.state_steps: dict[tuple[int, ...], int] = {}
         self.arm_steps = [0] * len(self.arms)  # how many steps each arm ran (diagnostics)
@@ -110,10 +114,16 @@ class UnionDrafter(Drafter):
         self._state: tuple[int, ...] = ()
         self._arm, self._pending = len(self.arms) - 1, None
 
+    def arm_key(self, arm: int, state: tuple[int, ...]) -> tuple[int, ...]:
+        """The part of context ``state`` an arm's speed is kept under: its own members' keys."""
+        return tuple(state[m] for m in self.arms[arm])
+
     @property
     def rates(self) -> dict[tuple[int, ...], list[float | None]]:
-        """Measured tokens/s of each arm (``None``: not run yet), per context state."""
-        return {state: [_ratio(s) for s in sums] for state, sums in self.sums.items()}
+        """Measured tokens/s of each arm (``None``: not run under this state's keys), per context
+        state seen."""
+        return {state: [_ratio(self.sums.get((a, self.arm_key(a, state)))) for a in range(len(self.arms))]
+                for state in self.state_steps}
 
     @property
     def pooled(self) -> list[float | None]:
@@ -123,7 +133,7 @@ class UnionDrafter(Drafter):
     @property
     def arm_rate(self) -> list[float | None]:
         """Measured tokens/s of each arm in the context state of the latest step."""
-        return [_ratio(s) for s in self.sums.get(self._state, [None] * len(self.arms))]
+        return self.rates.get(self._state, [None] * len(self.arms))
 
     def check_target(self, model) -> None:
         for m in self.members:
@@ -149,9 +159,11 @@ class UnionDrafter(Drafter):
             state, arm, start, length, tokens, probe = self._pending
             now = self.clock()
             if ctx.tokens.shape[0] == length + tokens and now > start:  # nothing ran in between
-                for table in (self.sums[state], self.pooled_sums):
-                    old = table[arm] or [0.0, 0.0]
-                    table[arm] = [self.rate_decay * old[0] + tokens, self.rate_decay * old[1] + (now - start)]
+                key, d = (arm, self.arm_key(arm, state)), self.rate_decay
+                old = self.sums.get(key) or [0.0, 0.0]
+                self.sums[key] = [d * old[0] + tokens, d * old[1] + (now - start)]
+                old = self.pooled_sums[arm] or [0.0, 0.0]
+                self.pooled_sums[arm] = [d * old[0] + tokens, d * old[1] + (now - start)]
                 if probe:  # a probed arm that still loses clearly is probed half as often
                     guess = self.estimates(state)
                     best = max((r or 0.0) for a, r in enumerate(guess) if a != arm)
@@ -161,12 +173,12 @@ class UnionDrafter(Drafter):
                         min(self.max_probe_wait, 2 * wait) if losing else self.probe_every)
         start = self.clock()  # the state's own cost counts towards the step it decides
         state = self._state = tuple(m.context_key(ctx) for m in self.members)
-        sums = self.sums.setdefault(state, [None] * len(self.arms))
+        measured = [(a, self.arm_key(a, state)) in self.sums for a in range(len(self.arms))]
         steps = self.state_steps[state] = self.state_steps.get(state, 0) + 1
-        # an arm not yet measured in this state borrows its speed over all states (no exploration
-        # storm when a new state appears); arms never measured anywhere are tried first
+        # first try what was never run, and a member alone whenever its own key is new (few keys
+        # per member); the merge, new in this state, borrows its speed over all states
         guess = self.estimates(state)
-        unknown = [a for a, r in enumerate(guess) if r is None]
+        unknown = [a for a, r in enumerate(guess) if r is None or (len(self.arms[a]) == 1 and not measured[a])]
         best = max(range(len(self.arms)), key=lambda a: guess[a] or 0.0)  # ties: the cheaper arm
         probe = False
         if unknown:
@@ -177,7 +189,7 @@ class UnionDrafter(Drafter):
             due = [] if steps < self.last_probe.get(state, 0) + self.probe_every else [
                 a for a in range(len(self.arms)) if a != best
                 and steps >= self.last_probe.get((state, a), 0) + self._wait(state, a)]
-            due.sort(key=lambda a: (sums[a] is not None, self.last_probe.get((state, a), 0)))
+            due.sort(key=lambda a: (measured[a], self.last_probe.get((state, a), 0)))
             arm, probe = (due[0], True) if due else (best, False)
             if probe:
                 self.last_probe[(state, arm)] = self.last_probe[state] = steps
@@ -192,10 +204,10 @@ class UnionDrafter(Drafter):
         return self.probe_wait.get((state, arm), self.arm_wait[arm])
 
     def estimates(self, state: tuple[int, ...]) -> list[float | None]:
-        """Estimated tokens/s of each arm in context ``state`` (its own measurement, else the arm's
-        speed over all states, else ``None``)."""
-        own = [_ratio(s) for s in self.sums.get(state, [None] * len(self.arms))]
+        """Estimated tokens/s of each arm in context ``state`` (measured under the keys of its own
+        members, else the arm's speed over all states, else ``None``)."""
         pooled = self.pooled
+        own = [_ratio(self.sums.get((a, self.arm_key(a, state)))) for a in range(len(self.arms))]
         return [r if r is not None else pooled[a] for a, r in enumerate(own)]
 
     def rate(self, member: int, depth: int, rank: int) -> float:
