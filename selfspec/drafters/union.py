@@ -27,11 +27,13 @@ n-gram that matched); the *context state* is the tuple of all members' keys, and
 is kept under the keys of its own members only: plain steps once, a member alone per its own key
 (prompt lookup with a 4-gram match is as fast whatever the head's key says), the merge per state.
 A member alone is tried as soon as its own key is new (a member has few keys, so this exploration
-is bounded); the merge, new in a state, borrows its speed over all states. Within a state, at most one step in
-``probe_every`` probes another arm, so all estimates stay current; an arm whose probe finds it
-still more than 10% slower than the best is probed half as often (down to every
-``16 * probe_every`` steps; one that comes within 10% is back to every ``probe_every``), and a new
-state starts each arm from its latest wait anywhere, so exploring clearly losing arms costs little.
+is bounded); the merge, new in a state, borrows its speed over all states. At most one step in
+``probe_every`` probes another arm, so all estimates stay current. Probes are scheduled per
+arm and its members' keys, like its speed (plain steps once for all states): an arm whose probe
+finds it still more than 10% slower than the best is probed half as often (down to every
+``16 * probe_every`` steps; at once that rarely when it runs at less than half the best; back to
+every ``probe_every`` once within 10%), so exploring clearly losing arms costs little even in short
+generations. A member's step that drafted nothing is a plain step and also measures the plain arm.
 So in every state the union runs what its best member
 with its own policy would run there (that member, or plain steps), up to the probes. Members not
 asked in a step are told to ``skip`` it (so feature-reading drafters stay in sync). Which arm
@@ -50,7 +52,7 @@ import torch
 
 from ..tree import DraftTree, Law, TreeBuilder
 from ..verify import Verdict
-from .base import DraftContext, Drafter
+from .base import DraftContext, Drafter, Proposal
 
 
 class UnionDrafter(Drafter):
@@ -61,9 +63,8 @@ class UnionDrafter(Drafter):
         max_nodes: node budget of a merged tree (default: the largest member's).
         min_value: merged nodes whose estimated acceptance is below it are not verified.
         decay: per-step decay of the acceptance counts.
-        probe_every: within a context state, each other arm is tried every this many steps (less
-            often while it keeps losing by over 10%, see above); an arm not yet measured in a
-            state is estimated by its speed over all states.
+        probe_every: at most one step in this many probes an arm other than the best; each arm
+            is due every this many steps (less often while it keeps losing, see above).
         rate_decay: per-step decay of an arm's token and second sums (its tokens/s is their ratio).
         clock: seconds as a float (default ``time.perf_counter``; tests inject a step clock).
     """
@@ -108,9 +109,9 @@ class UnionDrafter(Drafter):
         self.arm_steps = [0] * len(self.arms)  # how many steps each arm ran (diagnostics)
         self.probe_every, self.rate_decay, self.clock = probe_every, rate_decay, clock
         self.probe_margin, self.max_probe_wait = 0.1, 16 * probe_every
-        self.probe_wait: dict[tuple, int] = {}  # (state, arm) -> steps between probes of that arm
-        self.last_probe: dict[tuple, int] = {}  # (state, arm) or state -> the state's step of its last probe
-        self.arm_wait = [probe_every] * len(self.arms)  # each arm's latest wait in any state
+        self.probe_wait: dict[tuple, int] = {}  # (arm, its members' keys) -> steps between its probes
+        self.last_probe: dict = {}  # (arm, keys) -> step of its last probe; None -> of the last probe
+        self.steps = 0  # steps decided so far (over all generations)
         self._state: tuple[int, ...] = ()
         self._arm, self._pending = len(self.arms) - 1, None
 
@@ -153,28 +154,37 @@ class UnionDrafter(Drafter):
             if m.uses_tools:
                 m.set_tools(tools)
 
+    def _record(self, arm: int, state: tuple[int, ...], tokens: int, seconds: float) -> None:
+        key, d = (arm, self.arm_key(arm, state)), self.rate_decay
+        old = self.sums.get(key) or [0.0, 0.0]
+        self.sums[key] = [d * old[0] + tokens, d * old[1] + seconds]
+        old = self.pooled_sums[arm] or [0.0, 0.0]
+        self.pooled_sums[arm] = [d * old[0] + tokens, d * old[1] + seconds]
+
     def _choose_arm(self, ctx: DraftContext) -> int:
         """Close the timing of the previous step, then pick this step's arm."""
         if self._pending is not None:
-            state, arm, start, length, tokens, probe = self._pending
+            state, arm, start, length, tokens, probe, empty = self._pending
             now = self.clock()
             if ctx.tokens.shape[0] == length + tokens and now > start:  # nothing ran in between
-                key, d = (arm, self.arm_key(arm, state)), self.rate_decay
-                old = self.sums.get(key) or [0.0, 0.0]
-                self.sums[key] = [d * old[0] + tokens, d * old[1] + (now - start)]
-                old = self.pooled_sums[arm] or [0.0, 0.0]
-                self.pooled_sums[arm] = [d * old[0] + tokens, d * old[1] + (now - start)]
-                if probe:  # a probed arm that still loses clearly is probed half as often
-                    guess = self.estimates(state)
+                self._record(arm, state, tokens, now - start)
+                if empty and arm != 0:  # an empty draft is a plain step: it measures the plain arm too
+                    self._record(0, state, tokens, now - start)
+                if probe:  # a probed arm that still loses is probed less often (at once the least
+                    guess = self.estimates(state)  # often when it is worse than half the best)
                     best = max((r or 0.0) for a, r in enumerate(guess) if a != arm)
-                    wait = self._wait(state, arm)
-                    losing = (guess[arm] or 0.0) < (1 - self.probe_margin) * best
-                    self.probe_wait[(state, arm)] = self.arm_wait[arm] = (
-                        min(self.max_probe_wait, 2 * wait) if losing else self.probe_every)
+                    key = (arm, self.arm_key(arm, state))
+                    rate = guess[arm] or 0.0
+                    wait = self.probe_wait.get(key, self.probe_every)
+                    self.probe_wait[key] = (self.max_probe_wait if rate < 0.5 * best else
+                                            min(self.max_probe_wait, 2 * wait) if rate < (1 - self.probe_margin) * best
+                                            else self.probe_every)
         start = self.clock()  # the state's own cost counts towards the step it decides
         state = self._state = tuple(m.context_key(ctx) for m in self.members)
-        measured = [(a, self.arm_key(a, state)) in self.sums for a in range(len(self.arms))]
-        steps = self.state_steps[state] = self.state_steps.get(state, 0) + 1
+        keys = [(a, self.arm_key(a, state)) for a in range(len(self.arms))]
+        measured = [k in self.sums for k in keys]
+        self.state_steps[state] = self.state_steps.get(state, 0) + 1
+        self.steps += 1
         # first try what was never run, and a member alone whenever its own key is new (few keys
         # per member); the merge, new in this state, borrows its speed over all states
         guess = self.estimates(state)
@@ -184,24 +194,19 @@ class UnionDrafter(Drafter):
         if unknown:
             arm = unknown[0]
         else:
-            # at most one probe per probe_every steps in a state; an arm is due after its own wait
-            # (unmeasured in this state first, then the longest due)
-            due = [] if steps < self.last_probe.get(state, 0) + self.probe_every else [
+            # at most one probe per probe_every steps; an arm is due after its own wait, counted
+            # per (arm, its members' keys): plain steps are probed once for all states, a member
+            # per its own key, the merge per state (unmeasured first, then the longest due)
+            due = [] if self.steps < self.last_probe.get(None, 0) + self.probe_every else [
                 a for a in range(len(self.arms)) if a != best
-                and steps >= self.last_probe.get((state, a), 0) + self._wait(state, a)]
-            due.sort(key=lambda a: (measured[a], self.last_probe.get((state, a), 0)))
+                and self.steps >= self.last_probe.get(keys[a], 0) + self.probe_wait.get(keys[a], self.probe_every)]
+            due.sort(key=lambda a: (measured[a], self.last_probe.get(keys[a], 0)))
             arm, probe = (due[0], True) if due else (best, False)
             if probe:
-                self.last_probe[(state, arm)] = self.last_probe[state] = steps
-        self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe)
+                self.last_probe[keys[arm]] = self.last_probe[None] = self.steps
+        self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe, False)
         self.arm_steps[arm] += 1
         return arm
-
-    def _wait(self, state: tuple[int, ...], arm: int) -> int:
-        """Steps between probes of ``arm`` in ``state``; a state that has not probed the arm yet
-        starts from the arm's latest wait in any state (an arm losing everywhere is not re-learnt
-        per state)."""
-        return self.probe_wait.get((state, arm), self.arm_wait[arm])
 
     def estimates(self, state: tuple[int, ...]) -> list[float | None]:
         """Estimated tokens/s of each arm in context ``state`` (measured under the keys of its own
@@ -227,7 +232,10 @@ class UnionDrafter(Drafter):
         for m, member in enumerate(self.members):
             if m not in chosen:
                 continue
-            tree = member.propose(ctx)
+            proposal = Proposal.of(member.propose(ctx))
+            if proposal.handoff is not None:  # (never: a union gets no target cache to write in)
+                raise ValueError(f"{member.kind} handed off target layers, which a merged tree cannot use")
+            tree = proposal.tree
             if bool((tree.laws[1:] != Law.POINT).any()):
                 raise ValueError(f"{member.kind} drafted sampled children, which a union cannot merge")
             tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
@@ -259,8 +267,8 @@ class UnionDrafter(Drafter):
         """Update each member's acceptance rates: every proposed node whose parent was accepted was
         tested; it was a hit if it is on the accepted path."""
         if self._pending is not None:
-            state, arm, start, length, _, probe = self._pending
-            self._pending = (state, arm, start, length, verdict.num_accepted + 1, probe)
+            state, arm, start, length, _, probe, _ = self._pending
+            self._pending = (state, arm, start, length, verdict.num_accepted + 1, probe, tree.num_nodes == 1)
         for key in self.tests:
             self.tests[key] *= self.decay
             self.hits[key] = self.hits.get(key, 0.0) * self.decay
