@@ -5,8 +5,12 @@ from self-distilled data.
     python scripts/train_heads.py --config configs/medusa_smollm2.yaml
     python scripts/train_heads.py --config configs/layerskip_smollm2.yaml
 
-On a GPU machine: accelerate launch scripts/train_heads.py --config configs/medusa_qwen2.5-7b_gpu.yaml
-Interrupted? Rerun the same command with --resume: training continues from the last checkpoint.
+On GPUs: accelerate launch [--num_processes N] scripts/train_heads.py --config configs/medusa_qwen2.5-7b_gpu.yaml
+(CPU processes: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 ..., gloo; plain
+`accelerate launch --cpu --num_processes 2` starts ONE process unless MPI is set up). The global batch
+is the same for any N.
+Interrupted? Rerun the same command with --resume: training continues from the last checkpoint
+(with any number of processes). Without --resume, a run folder holding a checkpoint is refused.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from training import recipes  # noqa: E402
 from training.config import load_any  # noqa: E402
-from training import eagle3_recipe, heads_recipe  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -29,15 +33,15 @@ def main(argv=None) -> None:
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 run.wandb_mode=disabled")
     args = ap.parse_args(argv)
     cfg = load_any(args.config, args.overrides, default_recipe="train_heads")
-    if isinstance(cfg, eagle3_recipe.Eagle3TrainConfig):
-        summary = eagle3_recipe.run(cfg, resume=args.resume)
-        m = summary["metrics"]
+    summary = recipes.run(cfg, resume=args.resume)
+    m = summary["metrics"]
+    if not m:  # not the main process: the main one reports
+        return
+    if cfg.kind == "eagle3":
         print(f"steps {summary['steps']}; held-out top-1 per unrolled step "
               f"{[round(a, 3) for a in m['eval/top1_per_step']]}; T=1 acceptance "
               f"{[round(a, 3) for a in m['eval/accept_t1_per_step']]}; expected chain MAT {m['eval/expected_mat_chain']:.2f}")
         return
-    summary = heads_recipe.run(cfg, resume=args.resume)
-    m = summary["metrics"]
     mat = m.get("eval/expected_mat_current_tree", m.get("eval/expected_mat_chain"))
     print(f"steps {summary['steps']}; held-out top-1 per prediction "
           f"{[round(a[0], 3) for a in m['eval/rank_accuracy']]}; expected MAT {mat:.2f}")

@@ -15,14 +15,13 @@ never runs past the model's context. All input checks happen here, once, at the 
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
 from .adaptive import AdaptiveConfig, AdaptivePolicy
-from .drafters.base import DraftContext, Drafter
+from .drafters.base import DraftContext, Drafter, Proposal
 from .metrics import SpecStats
 from .sampling import SamplingConfig
 from .target import TreeTarget, context_length
@@ -57,7 +56,7 @@ def generate(
     seed: int | None = None,
     generator: torch.Generator | None = None,
     eos_token_id: int | Iterable[int] | None = None,
-    adaptive: bool | AdaptiveConfig = True,
+    adaptive: "bool | AdaptiveConfig | AdaptivePolicy" = True,
     streamer=None,
     prefix_cache=None,
     tools=None,
@@ -76,10 +75,12 @@ def generate(
         seed / generator: randomness for sampling (give at most one); a fresh random seed if none.
         eos_token_id: stop token(s); defaults to ``model.generation_config.eos_token_id``.
         adaptive: let :class:`selfspec.adaptive.AdaptivePolicy` skip drafting (and cap its depth)
-            while speculation would be slower than plain steps (``True``: default knobs; an
-            :class:`AdaptiveConfig` to tune; ``False``: draft every step). Never changes the law
-            (greedy: never the text), but which steps draft depends on measured time, so seeded
-            sampling repeats token for token only with ``adaptive=False``.
+            while speculation would be slower than plain steps. ``True``: default knobs, state kept
+            on the drafter (``drafter.adaptive_policy``, carried across calls); an
+            :class:`AdaptiveConfig` to tune; an :class:`AdaptivePolicy` the caller keeps (and may
+            share, reset or inspect); ``False``: draft every step. Never changes the law (greedy:
+            never the text), but which steps draft depends on measured time, so seeded sampling
+            repeats token for token only with ``adaptive=False``.
         streamer: a transformers streamer (``put(ids)`` / ``end()``, e.g. ``TextStreamer``): gets
             the prompt first (as ``model.generate`` does; ``skip_prompt=True`` skips it), then each
             step's verified tokens ``[k]`` as soon as they are committed, then ``end()``.
@@ -213,9 +214,8 @@ def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_
     target = TreeTarget(model, want_hidden=drafter is not None and drafter.needs_hidden,
                         taps=drafter.taps if drafter is not None else ())
     limit = context_length(model) or ids.shape[0] + max_new_tokens
-    policy = None
-    if drafter is not None and adaptive is not False:
-        policy = _policy_for(drafter, adaptive if isinstance(adaptive, AdaptiveConfig) else AdaptiveConfig())
+    policy = policy_for(drafter, adaptive)
+    if policy is not None:
         policy.begin()
     return dict(target=target, ids=ids, drafter=drafter, cfg=cfg, gen=gen, max_new_tokens=max_new_tokens, eos=eos,
                 context_limit=limit, policy=policy, prefix_cache=prefix_cache, constraint=constraint)
@@ -278,12 +278,14 @@ def decode(
         depth = policy.max_depth(budget - 1) if policy is not None else budget - 1
         ctx = DraftContext(tokens[:length], root_hidden, depth, cfg, gen, target.cache if share else None,
                            features=features if speculate else None, prompt_len=ids.shape[0])
-        tree = _checked(drafter.propose(ctx), ctx) if speculate else DraftTree.root_only(int(tokens[length - 1]))
+        proposal = _checked(Proposal.of(drafter.propose(ctx)), ctx) if speculate else None
+        tree = proposal.tree if speculate else DraftTree.root_only(int(tokens[length - 1]))
         if speculate:
             features = None
         t1 = clock()
         prefix = target.prefix_len
-        scored = target.forward_tree(tree, ctx.handoff) if ctx.handoff is not None else target.forward_tree(tree)
+        handoff = proposal.handoff if speculate else None
+        scored = target.forward_tree(tree, handoff) if handoff is not None else target.forward_tree(tree)
         logits = scored.logits
         if constraint is not None:  # the same mask plain decoding applies, at every node's own path
             allowed = constraint.masks(tokens[ids.shape[0]:length].tolist(), tree, logits.shape[-1])
@@ -336,23 +338,36 @@ def decode(
     return SpecOutput(tokens[None, :length].clone(), stats, finish)
 
 
-_POLICIES: "weakref.WeakKeyDictionary[Drafter, AdaptivePolicy]" = weakref.WeakKeyDictionary()
+def policy_for(drafter: Drafter, adaptive: "bool | AdaptiveConfig | AdaptivePolicy") -> AdaptivePolicy | None:
+    """The adaptive state a call with ``adaptive`` uses: ``None`` when off (``False`` or no
+    drafter); the caller's own :class:`AdaptivePolicy` as given; otherwise the drafter's
+    :attr:`~selfspec.drafters.base.Drafter.adaptive_policy`, kept across calls and replaced by a
+    fresh one when the config changes."""
+    if drafter is None or adaptive is False:
+        return None
+    if isinstance(adaptive, AdaptivePolicy):
+        return adaptive
+    if adaptive is not True and not isinstance(adaptive, AdaptiveConfig):
+        raise ValueError(f"adaptive must be a bool, an AdaptiveConfig or an AdaptivePolicy, got {type(adaptive).__name__}")
+    cfg = adaptive if isinstance(adaptive, AdaptiveConfig) else AdaptiveConfig()
+    if drafter.adaptive_policy is None or drafter.adaptive_policy.cfg != cfg:
+        drafter.adaptive_policy = AdaptivePolicy(cfg)
+    return drafter.adaptive_policy
 
 
-def _policy_for(drafter: Drafter, cfg: AdaptiveConfig) -> AdaptivePolicy:
-    """The drafter's adaptive policy, kept across calls (a new one when the config changes)."""
-    policy = _POLICIES.get(drafter)
-    if policy is None or policy.cfg != cfg:
-        policy = _POLICIES[drafter] = AdaptivePolicy(cfg)
-    return policy
-
-
-def _checked(tree: DraftTree, ctx: DraftContext) -> DraftTree:
+def _checked(proposal: Proposal, ctx: DraftContext) -> Proposal:
+    tree = proposal.tree
+    if not isinstance(tree, DraftTree):
+        raise ValueError(f"drafter returned {type(tree).__name__}, expected a DraftTree or a Proposal")
     if int(tree.tokens[0]) != ctx.root_token:
         raise ValueError(f"drafter returned a tree rooted at {int(tree.tokens[0])}, expected {ctx.root_token}")
-    if ctx.handoff is not None and tree.depth > ctx.max_depth:
-        raise ValueError(f"drafter returned a tree of depth {tree.depth} > max_depth {ctx.max_depth} with a layer handoff")
-    return tree.prune_depth(ctx.max_depth)
+    if proposal.handoff is not None:
+        if ctx.cache is None:
+            raise ValueError("drafter returned a layer handoff without being given the target's cache")
+        if tree.depth > ctx.max_depth:
+            raise ValueError(f"drafter returned a tree of depth {tree.depth} > max_depth {ctx.max_depth} with a layer handoff")
+        return proposal
+    return Proposal(tree.prune_depth(ctx.max_depth))
 
 
 def _check_prompt(model, input_ids) -> torch.Tensor:

@@ -129,16 +129,19 @@ def resolve_dtype(dtype, device: str = "cpu") -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str | None = None, device=None):
+def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str | None = None, device=None,
+                allow_download: bool = False):
     """Load a target model and its tokenizer.
 
     Args:
         name_or_path: an alias (see :data:`ALIASES`), a local HF folder, a local ``.gguf`` file,
-            or a hub id (online only).
+            or a hub id (found in the local Hugging Face cache; downloaded only with
+            ``allow_download=True``).
         dtype: parameter dtype (a torch dtype or its name); default float32 (GGUF files are
             dequantised to it); ``"auto"``: bfloat16 where this hardware runs it natively and it
             measures faster, else float32.
         device: default ``"cuda"`` when available, else ``"cpu"``.
+        allow_download: let a hub id download (off by default: nothing is fetched at run time).
 
     Returns:
         ``(model, tokenizer)`` with the model in eval mode.
@@ -149,13 +152,18 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(dtype, device)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if not allow_download:
+        kwargs["local_files_only"] = True
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs)
     except OSError as err:
         known = ", ".join(sorted(ALIASES))
+        how = ("the hub could not provide it" if allow_download else
+               "it is not in the local Hugging Face cache (selfspec does not download at run time; "
+               "pass allow_download=True to fetch it)")
         raise OSError(
             f"could not load target {name_or_path!r}: not an alias ({known}), a local folder or "
-            f".gguf file, and the hub could not provide it ({err})"
+            f".gguf file, and {how} ({err})"
         ) from err
     return model.to(device).eval(), tokenizer

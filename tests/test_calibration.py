@@ -113,22 +113,27 @@ def test_policy_caps_depth_below_rarely_accepted_levels():
 
 def test_policy_state_carries_over_between_generations():
     """A drafter that lost in one call starts the next call backed off, not probing again."""
-    from selfspec.engine import _policy_for
+    from selfspec.engine import policy_for
 
     drafter = OracleDrafter([0], 6)
-    p = _policy_for(drafter, AdaptiveConfig(probe=2, backoff=8))
+    p = policy_for(drafter, AdaptiveConfig(probe=2, backoff=8))
+    assert drafter.adaptive_policy is p  # the default state lives on the drafter, in the open
     p.record(False, 1.0, 1)
     for _ in range(2):
         p.record(True, 2.0, 1, 0, True)
     assert p.fallbacks == 1
-    again = _policy_for(drafter, AdaptiveConfig(probe=2, backoff=8))
+    again = policy_for(drafter, AdaptiveConfig(probe=2, backoff=8))
     again.begin()
     assert again is p and not again.speculate() and again.plain_left == 8  # still backed off
     for _ in range(8):
         again.record(False, 1.0, 1)
     again.begin()
     assert again.speculate()  # the plain cost is known: a new call does not start with a plain step
-    assert _policy_for(drafter, AdaptiveConfig(probe=3)) is not p  # another config: a fresh policy
+    assert policy_for(drafter, AdaptiveConfig(probe=3)) is not p  # another config: a fresh policy
+    mine = AdaptivePolicy(AdaptiveConfig(probe=2))
+    assert policy_for(drafter, mine) is mine and policy_for(drafter, False) is None  # the caller's own
+    with pytest.raises(ValueError, match="adaptive must be"):
+        policy_for(drafter, "yes")
 
 
 class SlowWrongDrafter(Drafter):

@@ -33,8 +33,8 @@ def _randomise(drafter, seed=0, scale=0.3):
 def _trained(model, tmp_path, steps=60, **eagle3):
     """A head trained for a few steps on the model's own greedy continuations (so drafts are
     often right), through the real recipe."""
-    from training.eagle3_recipe import Eagle3Recipe, Eagle3TrainConfig
-    from training.heads_recipe import OptimConfig, RunConfig
+    from training.recipes import Eagle3Recipe, Eagle3TrainConfig
+    from training.loop import OptimConfig, RunConfig
 
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
@@ -268,6 +268,12 @@ def test_batched_loss_is_the_mean_of_per_example_losses(tmp_path):
     with torch.no_grad():
         _, per_step, stats = recipe._losses(batch)
         alone = [recipe._losses([e]) for e in batch]
+    # the valid positions counted from lengths alone (what a process uses for its share of a
+    # global batch it only partly sees) are the ones the loss counts
+    assert recipe._valid_counts(batch) == [int(s[2]) for s in stats]
+    share, _, _ = recipe._losses(batch[:2], counts=recipe._valid_counts(batch))
+    rest, _, _ = recipe._losses(batch[2:], counts=recipe._valid_counts(batch))
+    assert float(share + rest) == pytest.approx(float(recipe._losses(batch)[0]), rel=1e-5)
     for j in range(recipe.cfg.ttt_steps):
         counts = torch.tensor([a[2][j][2] for a in alone])
         assert stats[j][2] == pytest.approx(float(counts.sum()))
@@ -285,7 +291,7 @@ def test_training_learns_and_resumes_exactly(tmp_path):
     first = [r["train/loss"] for r in ev if "train/loss" in r]
     assert first[-1] < first[0]
     # interrupted at step 6, checkpointed, resumed in a new recipe: identical weights at the end
-    from training.eagle3_recipe import Eagle3Recipe
+    from training.recipes import Eagle3Recipe
 
     part = Eagle3Recipe(recipe.cfg, model=model, examples=recipe.examples)
     part.cfg.run.out_dir = str(tmp_path / "b")

@@ -142,3 +142,25 @@ def test_stream_works_with_transformers_text_streamer(capsys):
     out = selfspec.generate(model, prompt, max_new_tokens=8, streamer=TextStreamer(Tok(), skip_prompt=True))
     printed = capsys.readouterr().out
     assert printed.strip() == "".join(f"<{i}>" for i in out.sequences[0, 4:].tolist())
+
+
+def test_load_target_never_downloads_unless_asked(monkeypatch):
+    """A hub id that is not in the local cache fails fast with a clear message, never fetching."""
+    monkeypatch.setenv("HF_HUB_CACHE", "/nonexistent-selfspec-cache")
+    with pytest.raises(OSError, match="allow_download=True"):
+        selfspec.load_target("selfspec-test-org/no-such-model")
+
+
+def test_caller_kept_adaptive_policy_is_used_and_carries_over():
+    from selfspec.adaptive import AdaptiveConfig, AdaptivePolicy
+
+    model = tiny_model("llama", layers=2)
+    drafter = selfspec.build_drafter(model, "ngram")
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
+    mine = AdaptivePolicy(AdaptiveConfig(probe=2))
+    ref = selfspec.generate(model, ids, max_new_tokens=12)
+    out = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=12, adaptive=mine)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert mine.plain_s is not None and drafter.adaptive_policy is None  # the caller's state, not the drafter's
+    selfspec.generate(model, ids, drafter=drafter, max_new_tokens=4)
+    assert isinstance(drafter.adaptive_policy, AdaptivePolicy) and drafter.adaptive_policy is not mine

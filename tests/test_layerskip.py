@@ -67,10 +67,11 @@ def test_kv_reuse_gives_the_logits_of_a_full_verify_pass(family):
     cfg, gen = SamplingConfig(0.0), torch.Generator().manual_seed(0)
     for _ in range(3):
         ctx = DraftContext(ids, None, 4, cfg, gen, shared.cache)
-        tree = drafter.propose(ctx)
-        assert ctx.handoff is not None and ctx.handoff.hidden.shape[0] == tree.num_nodes > 1
+        proposal = drafter.propose(ctx)
+        tree, handoff = proposal.tree, proposal.handoff
+        assert handoff is not None and handoff.hidden.shape[0] == tree.num_nodes > 1
         prefix = shared.prefix_len
-        a = shared.forward_tree(tree, ctx.handoff).logits
+        a = shared.forward_tree(tree, handoff).logits
         b = full.forward_tree(tree).logits
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
         path = tree.path_to(tree.num_nodes - 1)  # a branch that is not a chain prefix

@@ -11,7 +11,7 @@ from datasets import Dataset
 import selfspec
 from training.config import load_any, load_config
 from training.features import IGNORE, head_labels
-from training.heads_recipe import HeadsRecipe, HeadsTrainConfig
+from training.recipes import HeadsTrainConfig, recipe_for
 from tiny_models import tiny_model
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -48,7 +48,7 @@ def test_head_labels_shift_by_head():
 def test_training_lowers_loss_and_exports_a_loadable_drafter(tmp_path):
     model = tiny_model("llama", vocab=64, dtype=torch.float32)
     data = tiny_dataset(model)
-    recipe = HeadsRecipe(tiny_config(tmp_path), model=model, dataset=data)
+    recipe = recipe_for(tiny_config(tmp_path), model=model, dataset=data)
     recipe.setup()
     before = recipe.evaluate()["eval/loss"]
     recipe.train()
@@ -64,7 +64,7 @@ def test_training_lowers_loss_and_exports_a_loadable_drafter(tmp_path):
     assert torch.equal(selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=16).sequences, reference)
     # a second run exporting to the same folder is refused before it trains (shipped checkpoints
     # and their calibration are never overwritten by accident) unless overwrite_export is set
-    again = HeadsRecipe(tiny_config(tmp_path), model=model, dataset=data)
+    again = recipe_for(tiny_config(tmp_path), model=model, dataset=data)
     with pytest.raises(FileExistsError, match="overwrite_export"):
         again.setup()
 
@@ -72,18 +72,18 @@ def test_training_lowers_loss_and_exports_a_loadable_drafter(tmp_path):
 def test_resume_continues_from_the_saved_step(tmp_path):
     model = tiny_model("llama", vocab=64, dtype=torch.float32)
     data = tiny_dataset(model)
-    full = HeadsRecipe(tiny_config(tmp_path / "a"), model=model, dataset=data)
+    full = recipe_for(tiny_config(tmp_path / "a"), model=model, dataset=data)
     full.setup()
     full.train()
     # the same run, "killed" after its first checkpoint (step 5), then resumed
-    cut = HeadsRecipe(tiny_config(tmp_path / "b"), model=model, dataset=data)
+    cut = recipe_for(tiny_config(tmp_path / "b"), model=model, dataset=data)
     cut.setup()
     cut.train(stop_at=7)  # killed two steps after the checkpoint at step 5: those two are lost
-    resumed = HeadsRecipe(tiny_config(tmp_path / "b"), model=model, dataset=data)
+    resumed = recipe_for(tiny_config(tmp_path / "b"), model=model, dataset=data)
     resumed.setup(resume=True)
     assert resumed.step == 5
     resumed.train()
-    for a, b in zip(full.heads.parameters(), resumed.heads.parameters()):
+    for a, b in zip(full.trainable.parameters(), resumed.trainable.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -110,12 +110,12 @@ def test_layerskip_training_lowers_loss_resumes_and_exports(tmp_path):
                  "run.eval_every=5", "run.ckpt_every=5", "optim.batch_size=32", "optim.lr=0.01",
                  "optim.warmup_steps=1", "optim.epochs=3", "kind=layerskip", "layerskip.exit_layer=2",
                  "loss=kl", "eval_fraction=0.25", f"export={tmp_path / 'exported'}"]
-    recipe = HeadsRecipe(load_config(HeadsTrainConfig, None, overrides), model=model, dataset=data)
+    recipe = recipe_for(load_config(HeadsTrainConfig, None, overrides), model=model, dataset=data)
     recipe.setup()
     assert recipe.features.exit_hidden.shape == recipe.features.hidden.shape
     before = recipe.evaluate()["eval/loss"]
     recipe.train(stop_at=7)
-    resumed = HeadsRecipe(load_config(HeadsTrainConfig, None, overrides), model=model, dataset=data)
+    resumed = recipe_for(load_config(HeadsTrainConfig, None, overrides), model=model, dataset=data)
     resumed.setup(resume=True)
     assert resumed.step == 5
     resumed.train()
@@ -124,7 +124,7 @@ def test_layerskip_training_lowers_loss_resumes_and_exports(tmp_path):
     assert after < 0.85 * before, (before, after)  # an untrained (identity) adapter scores before
     drafter = selfspec.load_drafter(tmp_path / "exported", model)
     assert drafter.kind == "layerskip" and drafter.cfg.exit_layer == 2
-    for a, b in zip(drafter.adapter.parameters(), resumed.heads.parameters()):
+    for a, b in zip(drafter.adapter.parameters(), resumed.trainable.parameters()):
         torch.testing.assert_close(a, b)
     prompt = torch.tensor([[1, 2, 3, 4, 5, 6]])
     reference = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)

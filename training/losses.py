@@ -18,7 +18,8 @@ from .features import IGNORE
 
 
 def head_loss(logits: torch.Tensor, labels: torch.Tensor, decay: float,
-              target_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              target_logits: torch.Tensor | None = None,
+              counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted loss over heads.
 
     Args:
@@ -26,6 +27,8 @@ def head_loss(logits: torch.Tensor, labels: torch.Tensor, decay: float,
         labels: ``[B, K]`` token ids or ``IGNORE``.
         decay: per-head weight decay.
         target_logits: ``[B, K, V]`` the target's logits for the same tokens (KL loss) or ``None`` (CE).
+        counts: ``[K]`` valid labels per head to divide by (default: those of ``labels``; a larger
+            batch's counts give these positions' share of that batch's loss).
 
     Returns:
         ``(total, per_head [K])`` losses averaged over valid positions.
@@ -38,7 +41,7 @@ def head_loss(logits: torch.Tensor, labels: torch.Tensor, decay: float,
         logp = target_logits.float().log_softmax(-1)
         per = (logp.exp() * (logp - logq)).sum(-1).flatten()
     per = per.view(labels.shape) * valid
-    counts = valid.sum(0).clamp_min(1)
+    counts = (valid.sum(0) if counts is None else counts.to(valid.device)).clamp_min(1)
     per_head = per.sum(0) / counts
     weights = decay ** torch.arange(labels.shape[1], device=labels.device, dtype=per_head.dtype)
     return (per_head * weights).sum() / weights.sum(), per_head.detach()

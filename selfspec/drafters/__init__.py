@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 import yaml
 
-from .base import DraftContext, Drafter, TargetSignature
+from .base import DraftContext, Drafter, Proposal, TargetSignature
 from .eagle3 import Eagle3Config, Eagle3Drafter, build_eagle3, eagle3_from_checkpoint, eagle3_weights
 from .layerskip import (LayerSkipConfig, LayerSkipDrafter, build_layerskip, layerskip_from_checkpoint,
                         layerskip_weights)
@@ -222,6 +222,6 @@ register("layerskip", _build_layerskip)
 _CHECKPOINTS["layerskip"] = (layerskip_weights, layerskip_from_checkpoint)
 
 __all__ = [
-    "DraftContext", "Drafter", "Eagle3Config", "Eagle3Drafter", "LayerSkipConfig", "LayerSkipDrafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "SuffixConfig", "SuffixDrafter", "TargetSignature", "ToolCallDrafter", "ToolDraftConfig",
+    "DraftContext", "Drafter", "Proposal", "Eagle3Config", "Eagle3Drafter", "LayerSkipConfig", "LayerSkipDrafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "SuffixConfig", "SuffixDrafter", "TargetSignature", "ToolCallDrafter", "ToolDraftConfig",
     "UnionDrafter", "build_drafter", "drafter_from_spec", "load_drafter", "register", "save_drafter", "shipped_checkpoint",
 ]

@@ -67,10 +67,8 @@ class DraftContext:
         generator: the generator for any sampled draft.
         cache: the target's KV cache (committed prefix only), given only to drafters with
             ``shares_target_cache`` when the target can resume from a layer handoff; ``None``
-            otherwise (the drafter then keeps its own cache).
-        handoff: set by such a drafter when it wrote its first layers' KV for every tree node
-            into ``cache`` (a :class:`selfspec.target.LayerHandoff`); the verify pass resumes
-            from it.
+            otherwise (the drafter then keeps its own cache). Such a drafter may write its first
+            layers' KV for every tree node into it and return a :class:`Proposal` with the handoff.
         prompt_len: how many of ``tokens`` are the prompt (the rest was generated this call).
         features: for drafters that declare ``taps``: ``[m, len(taps) * H]`` the target's taps of
             the m committed positions ``len(tokens) - 1 - m .. len(tokens) - 2`` this drafter has
@@ -84,13 +82,32 @@ class DraftContext:
     sampling: SamplingConfig
     generator: torch.Generator
     cache: Any = None
-    handoff: Any = None
     features: torch.Tensor | None = None
     prompt_len: int = 0
 
     @property
     def root_token(self) -> int:
         return int(self.tokens[-1])
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A draft tree plus what the verify pass may resume from.
+
+    Attributes:
+        tree: the draft tree (rooted at ``ctx.root_token``, depth <= ``ctx.max_depth``).
+        handoff: a :class:`selfspec.target.LayerHandoff` when the drafter ran the target's first
+            layers over every node of ``tree`` in ``ctx.cache`` (the verify pass then runs only
+            the layers above); ``None`` otherwise.
+    """
+
+    tree: DraftTree
+    handoff: Any = None
+
+    @staticmethod
+    def of(proposed: "DraftTree | Proposal") -> "Proposal":
+        """What :meth:`Drafter.propose` returned, as a :class:`Proposal`."""
+        return proposed if isinstance(proposed, Proposal) else Proposal(proposed)
 
 
 class Drafter(ABC):
@@ -100,7 +117,7 @@ class Drafter(ABC):
     #: True when :meth:`propose` reads ``ctx.root_hidden`` (the engine then keeps hidden states).
     needs_hidden: bool = False
     #: True when :meth:`propose` can run the target's own first layers in the target's cache and
-    #: hand their outputs to the verify pass (``DraftContext.cache`` / ``handoff``).
+    #: hand their outputs to the verify pass (``DraftContext.cache`` in, :class:`Proposal` out).
     shares_target_cache: bool = False
     #: Target hidden-state taps (transformers' ``hidden_states`` indices) that :meth:`propose` reads
     #: from ``ctx.features``; the verify pass records them (:mod:`selfspec.taps`). Empty: none.
@@ -109,6 +126,10 @@ class Drafter(ABC):
     #: tree for a plain step, e.g. a union's plain arm): the engine's adaptive policy then only caps
     #: the draft depth and never backs it off.
     self_paced: bool = False
+    #: The adaptive state (a :class:`selfspec.adaptive.AdaptivePolicy`) that ``generate(...,
+    #: adaptive=True)`` uses with this drafter and keeps across calls; ``None`` until first used.
+    #: Pass ``adaptive=AdaptivePolicy(...)`` to keep the state yourself instead.
+    adaptive_policy = None
     #: True when the drafter uses the caller's tool definitions (``generate(..., tools=...)``,
     #: handed over by :meth:`set_tools` before the call).
     uses_tools: bool = False
@@ -133,8 +154,10 @@ class Drafter(ABC):
         suffix index of past outputs, keep what they need); default does nothing."""
 
     @abstractmethod
-    def propose(self, ctx: DraftContext) -> DraftTree:
-        """Return a draft tree rooted at ``ctx.root_token`` with depth <= ``ctx.max_depth``."""
+    def propose(self, ctx: DraftContext) -> "DraftTree | Proposal":
+        """Return a draft tree rooted at ``ctx.root_token`` with depth <= ``ctx.max_depth`` (or a
+        :class:`Proposal` carrying it with a layer handoff). Returns what it proposes and changes
+        nothing in ``ctx``."""
 
     def observe(self, ctx: DraftContext, tree: DraftTree, verdict: Verdict) -> None:
         """Called after each verification (for adaptive drafters); default does nothing."""

@@ -20,7 +20,7 @@ KV reuse: when the drafting layers are the first E layers and the adapter comes 
 keys / values and outputs for the drafted nodes are exactly what the verify pass would compute.
 Given the target's cache (``ctx.cache``), the drafter writes the tree's first-E-layer KV there in
 flat order (the last level gets a layers-only pass without the head) and hands ``h_E`` of every node
-to the verify pass (``ctx.handoff``), which then runs only layers E..L-1. Otherwise the drafter
+to the verify pass (a :class:`~selfspec.drafters.base.Proposal` with a handoff), which then runs only layers E..L-1. Otherwise the drafter
 keeps its own cache of the drafting layers for the committed tokens.
 """
 
@@ -38,7 +38,7 @@ from ..lm_head import lm_logits
 from ..sampling import target_probs
 from ..target import LayerHandoff
 from ..tree import DraftTree, Law, TreeBuilder
-from .base import DraftContext, Drafter, TargetSignature
+from .base import DraftContext, Drafter, Proposal, TargetSignature
 from .dynamic_tree import pick_slots
 from .residual import ResBlock
 
@@ -160,7 +160,7 @@ class LayerSkipDrafter(Drafter):
         return lm_logits(self.model, self.norm(h))
 
     @torch.no_grad()
-    def propose(self, ctx: DraftContext) -> DraftTree:
+    def propose(self, ctx: DraftContext) -> DraftTree | Proposal:
         cfg = self.cfg
         shared = ctx.cache is not None and self.shares_target_cache
         tokens = ctx.tokens
@@ -220,7 +220,7 @@ class LayerSkipDrafter(Drafter):
             level = new_nodes
         tree = builder.build()
         if shared:
-            ctx.handoff = LayerHandoff(len(self.indices), torch.cat(rows))
+            return Proposal(tree, LayerHandoff(len(self.indices), torch.cat(rows)))
         else:
             extra = self._own_length() - length  # keep the committed tokens and the root
             if extra > 0:

@@ -1,8 +1,10 @@
 """Recipe: train an EAGLE-3 draft head on a frozen target from self-distilled conversations.
 
-setup (target, data split, draft vocabulary, head, optimizer, accelerate, wandb, resume) -> train
-(online target features, training-time test, seeded and resumable, logged, checkpointed) -> export
-(held-out acceptance per unrolled step, drafter checkpoint, curves plot) -> cleanup.
+On the shared loop (:mod:`training.loop`): prepare (data split, draft vocabulary, head) -> train
+(online target features, training-time test, seeded and resumable, logged, checkpointed, sharded
+over processes) -> export (held-out acceptance per unrolled step, drafter checkpoint, curves plot).
+Items are examples; the global batch of a step is one length bucket of at most
+``tokens_per_batch`` padded tokens.
 
 Online features: every batch runs the frozen target once under ``torch.no_grad`` (in
 ``target_dtype``), recording its taps (:mod:`selfspec.taps`) and its next-token law; nothing is
@@ -22,24 +24,18 @@ the training split (coverage of several sizes is recorded in the summary).
 from __future__ import annotations
 
 import json
-import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 import selfspec
-from selfspec.checkpoint import atomic_dir, atomic_write_text, recover_dir
 from selfspec.drafters import save_drafter
 from selfspec.drafters.eagle3 import Eagle3Config
 from selfspec.lm_head import lm_logits
 from selfspec.taps import capture_taps
 
-from .config import dump_config
-from .heads_recipe import OptimConfig, RunConfig, lr_at
-from .state import check_export_target, read_train_state, write_train_state
+from ..loop import OptimConfig, RunConfig, TrainingRun
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -101,8 +97,6 @@ class Eagle3TrainConfig:
             raise ValueError(f"target_dtype must be float32, bfloat16 or float16, got {self.target_dtype!r}")
         if self.export_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"export_dtype must be float32, bfloat16 or float16, got {self.export_dtype!r}")
-        if self.run.wandb_mode not in ("offline", "disabled", "online"):
-            raise ValueError(f"run.wandb_mode must be offline, disabled or online, got {self.run.wandb_mode!r}")
 
 
 def load_distilled(path: str | Path) -> list[dict]:
@@ -139,28 +133,18 @@ def draft_vocabulary(examples: list[dict], size: int, vocab: int, held_out: list
     return order[:size].sort().values, coverage
 
 
-class Eagle3Recipe:
-    """One training run. Use :func:`run`, or call the stages yourself."""
+class Eagle3Recipe(TrainingRun):
+    """One training run of an EAGLE-3 head (see the module docstring)."""
+
+    name = "eagle3"
 
     def __init__(self, cfg: Eagle3TrainConfig, *, model=None, tokenizer=None, examples=None):
-        self.cfg, self.model, self.tokenizer, self.examples = cfg, model, tokenizer, examples
-        self.out = Path(cfg.run.out_dir)
-        self.step, self.history = 0, []
+        super().__init__(cfg, model=model, tokenizer=tokenizer)
+        self.examples = examples
 
-    # ---------------------------------------------------------------- setup
-    def setup(self, resume: bool = False) -> None:
-        from accelerate import Accelerator
-        from accelerate.utils import set_seed
-
+    # ---------------------------------------------------------------- data and head
+    def prepare(self) -> None:
         cfg = self.cfg
-        check_export_target(cfg.export, cfg.overwrite_export)
-        self.out.mkdir(parents=True, exist_ok=True)
-        set_seed(cfg.run.seed)
-        self.acc = Accelerator(mixed_precision=cfg.run.mixed_precision, log_with="wandb")
-        if self.model is None:
-            self.model, self.tokenizer = selfspec.load_target(cfg.target, device=str(self.acc.device),
-                                                              dtype=getattr(torch, cfg.target_dtype))
-        self.model.requires_grad_(False).eval()
         if self.examples is None:
             self.examples = load_distilled(cfg.dataset)
         examples = [ex for ex in self.examples if ex["response_ids"] and ex["prompt_ids"]]
@@ -172,25 +156,22 @@ class Eagle3Recipe:
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
         draft_ids, self.coverage = draft_vocabulary(self.train_set, cfg.eagle3.draft_vocab_size, vocab, self.eval_set)
         self.drafter = selfspec.build_drafter(self.model, "eagle3", **asdict(cfg.eagle3))
-        self.head = self.drafter.head.float()
+        self.head = self.trainable = self.drafter.head.float()
         self.head.set_vocab(draft_ids)
         self._init_from_target()
         self._measure_tap_scale()
         self.drafter._draft_ids = self.head.draft_ids.cpu()
         self.batches = self._bucket(self.train_set)
-        self.total_steps = max(1, math.ceil(cfg.optim.epochs * len(self.batches)))
-        params = [p for p in self.head.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-        self.head.train()
-        self.head, self.optimizer = self.acc.prepare(self.head, self.optimizer)
-        if resume:
-            recover_dir(self.out / "checkpoint")  # finish a checkpoint write a crash interrupted
-            if not (self.out / "checkpoint").exists():
-                raise FileNotFoundError(f"--resume: no checkpoint in {self.out}; drop --resume to start a new run")
-            self._resume()
-        atomic_write_text(self.out / "config.yaml", dump_config(cfg))
-        self.acc.init_trackers(cfg.run.wandb_project, config=asdict(cfg),
-                               init_kwargs={"wandb": {"mode": cfg.run.wandb_mode, "dir": str(self.out)}})
+
+    def forward(self, head, taps: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """The head unrolled ``steps`` times (training-time test): per step ``[B, T, V_d]`` logits."""
+        return head(taps, embeds, steps)
+
+    def steps_per_epoch(self) -> int:
+        return len(self.batches)
+
+    def step_items(self, step: int) -> list[int]:
+        return self._batch_at(step)
 
     @torch.no_grad()
     def _init_from_target(self) -> None:
@@ -262,7 +243,7 @@ class Eagle3Recipe:
         """Right-padded ``ids [B, T]`` -> taps ``[B, T, 3H]``, the target's log-law over the draft
         vocabulary ``[B, T, V_d]`` and its argmax over the full vocabulary ``[B, T]``."""
         device = self.acc.device
-        head = self.acc.unwrap_model(self.head)
+        head = self.head
         with capture_taps(self.model, self.drafter.taps) as record:
             last = self.model.get_decoder()(input_ids=ids.to(device)).last_hidden_state
         logits = lm_logits(self.model, last).float()  # [B, T, V]
@@ -270,16 +251,30 @@ class Eagle3Recipe:
         logp = logits.index_select(-1, head.draft_ids) - lse
         return record.get().float(), logp, logits.argmax(-1)
 
-    def _losses(self, examples: list[dict]):
-        """Per-step loss, top-1 agreement and T=1 acceptance (sums and counts) for one batch."""
+    def _valid_counts(self, examples: list[dict]) -> list[int]:
+        """Positions per unrolled step j whose loss counts (see :meth:`_losses`), from lengths alone."""
+        out = []
+        for j in range(self.cfg.ttt_steps):
+            n = 0
+            for e in examples:
+                length = min(len(e["prompt_ids"]) + len(e["response_ids"]), self.cfg.max_len)
+                n += max(0, (length - j - 1) - max(0, len(e["prompt_ids"]) - 2 - j))
+            out.append(n)
+        return out
+
+    def _losses(self, examples: list[dict], module=None, counts: list[int] | None = None):
+        """Per-step loss, top-1 agreement and T=1 acceptance (sums and counts) for one batch,
+        through ``module`` (default: the plain head; training passes the prepared module). Step
+        j's loss is divided by ``counts[j]`` (default: this batch's valid positions)."""
         ids, lengths, prompts = self._collate(examples)
         taps, logp, argmax = self._target(ids)
-        head = self.acc.unwrap_model(self.head)
+        head = self.head
         dtype = head.fc.weight.dtype
         taps = taps.to(dtype)
         with torch.no_grad():
             embeds = self.model.get_input_embeddings()(ids.to(self.acc.device)).to(dtype)
-        step_logits = self.head(taps, embeds, self.cfg.ttt_steps)  # through the prepared module
+        run = module if module is not None else (lambda *a: self.forward(head, *a))
+        step_logits = run(taps, embeds, self.cfg.ttt_steps)
         t = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)  # [B, T]: gather needs every row
         losses, stats = [], []
         for j, logits in enumerate(step_logits):
@@ -289,7 +284,7 @@ class Eagle3Recipe:
             p = logp.gather(1, idx[..., None].expand(-1, -1, logp.shape[-1])).exp()  # [B, T, V_d]
             logq = logits.float().log_softmax(-1)
             per = -(p * logq).sum(-1)
-            n = valid.sum().clamp_min(1)
+            n = valid.sum().clamp_min(1) if counts is None else max(1, counts[j])
             losses.append((per * valid).sum() / n)
             with torch.no_grad():
                 agree = head.draft_ids[logq.argmax(-1)] == argmax.gather(1, idx)
@@ -299,54 +294,22 @@ class Eagle3Recipe:
         total = sum(w * l for w, l in zip(weights.tolist(), losses)) / float(weights.sum())
         return total, [float(l.detach()) for l in losses], stats
 
-    # ---------------------------------------------------------------- train
-    def _lr(self, step: int) -> float:
-        return lr_at(self.cfg.optim, step, self.total_steps)
-
-    def train(self, stop_at: int | None = None) -> None:
-        """Train to the end (or up to step ``stop_at``, as if the run were interrupted there)."""
-        cfg = self.cfg
-        end = min(self.total_steps, stop_at or self.total_steps)
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train eagle3", unit="step")
-        started, tokens = time.time(), 0
-        while self.step < end:
-            for group in self.optimizer.param_groups:
-                group["lr"] = self._lr(self.step)
-            batch = [self.train_set[i] for i in self._batch_at(self.step)]
-            with self.acc.autocast():
-                loss, per_step, stats = self._losses(batch)
-            self.acc.backward(loss)
-            if cfg.optim.grad_clip:
-                self.acc.clip_grad_norm_(self.head.parameters(), cfg.optim.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            tokens += sum(len(e["prompt_ids"]) + len(e["response_ids"]) for e in batch)
-            bar.update(1)
-            if self.step % cfg.run.log_every == 0 or self.step == self.total_steps:
-                row = {"train/loss": float(loss.detach()), "lr": self._lr(self.step - 1), "step": self.step,
-                       "train/tokens_per_s": tokens / max(time.time() - started, 1e-9)}
-                row |= {f"train/loss_step{j}": v for j, v in enumerate(per_step)}
-                row |= {f"train/top1_step{j}": a / max(n, 1) for j, (a, _, n) in enumerate(stats)}
-                self._log(row)
-                bar.set_postfix(loss=f"{row['train/loss']:.3f}", top1=f"{row['train/top1_step0']:.2f}",
-                                tok_s=f"{row['train/tokens_per_s']:.0f}")
-            if self.step % cfg.run.eval_every == 0 or self.step == self.total_steps:
-                self._log(self.evaluate() | {"step": self.step})
-            if self.step % cfg.run.ckpt_every == 0 or self.step == self.total_steps:
-                self.save_checkpoint(wall=time.time() - started)
-        bar.close()
-
-    def _log(self, row: dict) -> None:
-        self.history.append(row)
-        self.acc.log({k: v for k, v in row.items() if not isinstance(v, (list, dict))}, step=row["step"])
+    def loss(self, items: list[int], batch: list[int]) -> tuple[torch.Tensor, dict]:
+        """Per unrolled step: the items' loss sum over the global batch's count of valid positions."""
+        counts = self._valid_counts([self.train_set[i] for i in batch])
+        mine = [self.train_set[i] for i in items]
+        loss, per_step, stats = self._losses(mine, self.module, counts)
+        row = {f"train/loss_step{j}": v for j, v in enumerate(per_step)}
+        row |= {f"train/top1_step{j}": a / max(n, 1) for j, ((a, _, _), n) in enumerate(zip(stats, counts))}
+        row["_tokens"] = sum(len(e["prompt_ids"]) + len(e["response_ids"]) for e in mine)
+        return loss, row
 
     # ---------------------------------------------------------------- eval
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out loss, top-1 agreement and T=1 acceptance per unrolled step, and the expected
         mean accepted length of a greedy chain of ``ttt_steps`` (teacher-forced agreement)."""
-        head = self.acc.unwrap_model(self.head)
+        head = self.head
         head.eval()
         K = self.cfg.ttt_steps
         agree, accept, count, loss = [0.0] * K, [0.0] * K, [0.0] * K, [0.0] * K
@@ -368,39 +331,27 @@ class Eagle3Recipe:
         out |= {f"eval/accept_t1_step{j}": a for j, a in enumerate(out["eval/accept_t1_per_step"])}
         return out
 
-    # ---------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, wall: float = 0.0) -> None:
-        """Atomically replace ``<out>/checkpoint`` (drafter + optimizer + step)."""
-        with atomic_dir(self.out / "checkpoint") as tmp:
-            save_drafter(self.drafter, tmp / "drafter", tokenizer=self.tokenizer)
-            write_train_state(tmp, self.optimizer, self.step, {"wall_time_s": wall, "history": self.history})
-
-    def _resume(self) -> None:
-        folder = self.out / "checkpoint"
-        loaded = selfspec.load_drafter(folder / "drafter", self.model)
-        if not torch.equal(loaded.head.d2t.cpu(), self.acc.unwrap_model(self.head).d2t.cpu()):
-            raise ValueError(f"{folder} was trained with another draft vocabulary (other data?); refusing to resume")
-        self.acc.unwrap_model(self.head).load_state_dict(loaded.head.float().state_dict())
-        info = read_train_state(folder, self.optimizer)
-        self.step, self.history = int(info["step"]), list(info.get("history", []))
-        print(f"resumed from {folder} at step {self.step}")
+    def load_weights(self, drafter) -> None:
+        if not torch.equal(drafter.head.d2t.cpu(), self.head.d2t.cpu()):
+            raise ValueError(f"{self.out / 'checkpoint'} was trained with another draft vocabulary (other data?); "
+                             "refusing to resume")
+        self.head.load_state_dict(drafter.head.float().state_dict())
 
     # ---------------------------------------------------------------- export
     def export(self) -> dict:
-        metrics = self.evaluate()
+        metrics = self.evaluate() if self.acc.is_main_process else {}
         summary = {"steps": self.step, "train_examples": len(self.train_set), "eval_examples": len(self.eval_set),
                    "train_response_tokens": sum(len(e["response_ids"]) for e in self.train_set),
                    "draft_vocab_coverage": self.coverage, "metrics": metrics}
-        atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1))
-        self._plot()
-        if self.cfg.export:
+        self.write_summary(summary)
+        if self.cfg.export and self.acc.is_main_process:
             extra = {"training": asdict(self.cfg), "eval": metrics, "steps": self.step,
                      "draft_vocab_coverage": self.coverage, "train_response_tokens": summary["train_response_tokens"]}
             save_drafter(self.drafter, self.cfg.export, tokenizer=self.tokenizer, extra=extra,
                          weights_dtype=getattr(torch, self.cfg.export_dtype))
         return summary
 
-    def _plot(self) -> None:
+    def plot(self) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -422,15 +373,7 @@ class Eagle3Recipe:
         fig.savefig(self.out / "training_curves.png", dpi=110)
         plt.close(fig)
 
-    def cleanup(self) -> None:
-        self.acc.end_training()
-
 
 def run(cfg: Eagle3TrainConfig, *, resume: bool = False, **given) -> dict:
     """setup -> train -> export -> cleanup; returns the export summary."""
-    recipe = Eagle3Recipe(cfg, **given)
-    recipe.setup(resume=resume)
-    recipe.train()
-    summary = recipe.export()
-    recipe.cleanup()
-    return summary
+    return Eagle3Recipe.run(cfg, resume=resume, **given)

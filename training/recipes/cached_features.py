@@ -1,0 +1,263 @@
+"""What the kinds trained on cached target features share (Medusa heads, the layer-skip exit).
+
+The frozen target runs once per example (:func:`training.features.build_features`, on the main
+process) and its hidden states are cached in the run folder as safetensors, keyed by the target's
+weight fingerprint, the dataset, the kind and the feature options (never silently reused for
+another). Items are training positions; the global batch of step s is a slice of a seeded
+permutation of them (a pure function of seed, epoch and s). Held-out positions are those of a
+seeded share of the examples. A kind subclasses :class:`CachedFeatureRecipe` with the number of
+predictions per position, its label offset, its forward and its own evaluation and export.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+import selfspec
+from selfspec.drafters.layerskip import LayerSkipConfig
+from selfspec.drafters.medusa import MedusaConfig
+from selfspec.lm_head import lm_logits
+
+from ..features import IGNORE, FeatureCache, build_features
+from ..loop import OptimConfig, RunConfig, TrainingRun
+from ..losses import head_loss, rank_hits
+
+
+@dataclass
+class HeadsTrainConfig:
+    """``scripts/train_heads.py`` config of the cached-feature kinds (YAML copies in configs/).
+
+    Attributes:
+        recipe: always ``train_heads`` (tells config files apart).
+        target: target alias or path (see ``selfspec.load_target``).
+        dataset: a self-distilled ``datasets`` folder (``scripts/distill_data.py``).
+        kind: drafter kind to train: ``medusa`` or ``layerskip``.
+        medusa: head shape (kind ``medusa``).
+        layerskip: exit layer, adapter and tree policy (kind ``layerskip``; the adapter must be
+            ``block``: the plain early exit has nothing to train).
+        loss: ``ce`` (self-distilled tokens) or ``kl`` (target's full law).
+        head_decay: loss weight of head k is ``head_decay ** (k - 1)``.
+        eval_fraction: share of examples held out for evaluation.
+        eval_ranks: candidates per head measured (tree width limit).
+        tree_budget: draft nodes of the exported tree.
+        max_len: longest example (tokens) used.
+        export: where the final drafter checkpoint is written (``null`` to skip).
+        overwrite_export: allow ``export`` to replace an existing folder (refused otherwise, at
+            setup, before any training).
+    """
+
+    recipe: str = "train_heads"
+    target: str = selfspec.DEFAULT_TARGET
+    dataset: str = "runs/distill/smollm2/dataset"
+    kind: str = "medusa"
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    layerskip: LayerSkipConfig = field(default_factory=LayerSkipConfig)
+    loss: str = "ce"
+    head_decay: float = 0.8
+    eval_fraction: float = 0.05
+    eval_ranks: int = 4
+    tree_budget: int = 10
+    max_len: int = 1024
+    export: str | None = None
+    overwrite_export: bool = False
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        if self.recipe != "train_heads":
+            raise ValueError(f"this config is for recipe {self.recipe!r}, not 'train_heads'")
+        if self.kind not in ("medusa", "layerskip"):
+            raise ValueError(f"this config trains kind 'medusa' or 'layerskip', got {self.kind!r}")
+        if self.kind == "layerskip":
+            if self.layerskip.adapter != "block":
+                raise ValueError("layerskip.adapter must be 'block' to train (the plain early exit has no "
+                                 "weights: pick its exit layer with scripts/pick_exit_layer.py)")
+            if self.layerskip.layers is not None:
+                raise ValueError("training supports exit layers (layerskip.exit_layer), not layer subsets")
+        if self.loss not in ("ce", "kl"):
+            raise ValueError(f"loss must be 'ce' or 'kl', got {self.loss!r}")
+
+
+class CachedFeatureRecipe(TrainingRun):
+    """Training on cached target features; items are positions (see the module docstring).
+
+    Subclasses set :attr:`num_outputs` (predictions per position), :attr:`first` (label offset of
+    the first prediction, see :func:`training.features.head_labels`), :attr:`exit_layer` (cache the
+    first E layers' output too, or ``None``), :meth:`options` (drafter options), :meth:`trainable_of`
+    and :meth:`forward`.
+    """
+
+    num_outputs = 1
+    first = 1
+    exit_layer: int | None = None
+
+    def __init__(self, cfg: HeadsTrainConfig, *, model=None, tokenizer=None, dataset=None):
+        super().__init__(cfg, model=model, tokenizer=tokenizer)
+        self.dataset = dataset
+
+    def options(self) -> dict:
+        raise NotImplementedError
+
+    def trainable_of(self, drafter) -> torch.nn.Module:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ data
+    def prepare(self) -> None:
+        if self.dataset is None:
+            from datasets import load_from_disk
+
+            self.dataset = load_from_disk(self.cfg.dataset)
+        self.features = self._features()
+        self.train_set, self.eval_set = self._split(self.features)
+        self.drafter = selfspec.build_drafter(self.model, self.cfg.kind, **self.options())
+        self.trainable = self.trainable_of(self.drafter)
+
+    def _features(self) -> FeatureCache:
+        """Target hidden states, cached in the run folder as safetensors, reused only when the
+        recorded key (target fingerprint, dataset path and size, kind, outputs, exit layer,
+        max_len, dtype) equals this run's; otherwise rebuilt (by the main process only)."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save_file
+
+        from selfspec.fingerprint import target_fingerprint
+
+        cfg = self.cfg
+        key = json.dumps([target_fingerprint(self.model), str(cfg.dataset), len(self.dataset), cfg.kind,
+                          self.num_outputs, self.exit_layer, cfg.max_len, cfg.run.feature_dtype])
+        path = self.out / "features.safetensors"
+        if path.exists():
+            with safe_open(str(path), "pt") as f:
+                cached_key = (f.metadata() or {}).get("key")
+            if cached_key == key:
+                t = load_file(str(path))
+                return FeatureCache(t["hidden"], t["positions"], t["labels"], t["example"], t.get("exit_hidden"))
+        dtype = getattr(torch, cfg.run.feature_dtype)
+        feats = build_features(self.model, self.dataset, self.num_outputs, max_len=cfg.max_len, dtype=dtype,
+                               exit_layer=self.exit_layer, first=self.first,
+                               progress=self.acc.is_local_main_process)
+        if self.acc.is_main_process:
+            tmp = path.with_suffix(".tmp")
+            names = ("hidden", "positions", "labels", "example") + (("exit_hidden",) if feats.exit_hidden is not None else ())
+            save_file({k: getattr(feats, k).contiguous() for k in names}, str(tmp), metadata={"key": key})
+            tmp.replace(path)
+        return feats
+
+    def _split(self, feats: FeatureCache) -> tuple[FeatureCache, FeatureCache]:
+        n_examples = int(feats.example.max()) + 1
+        g = torch.Generator().manual_seed(self.cfg.run.seed)
+        held = torch.randperm(n_examples, generator=g)[: max(1, int(n_examples * self.cfg.eval_fraction))]
+        is_eval = torch.isin(feats.example, held)
+        return feats.subset(~is_eval), feats.subset(is_eval)
+
+    def steps_per_epoch(self) -> int:
+        return max(1, len(self.train_set.positions) // self.cfg.optim.batch_size)
+
+    def step_items(self, step: int) -> list[int]:
+        """Position indices of ``step``: a pure function of (seed, epoch, step) for exact resume."""
+        n, bs = len(self.train_set.positions), self.cfg.optim.batch_size
+        epoch, i = divmod(step, self.steps_per_epoch())
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.run.seed * 7919 + epoch))
+        return order[i * bs: (i + 1) * bs].tolist()
+
+    # ------------------------------------------------------------------ loss
+    def inputs(self, cache: FeatureCache, rows: torch.Tensor) -> torch.Tensor:
+        """What the forward reads at ``rows``: the cached last hidden states (the exit recipe
+        overrides this with the first E layers' outputs)."""
+        return cache.hidden[rows].to(self.acc.device, torch.float32)
+
+    def _outputs(self, cache: FeatureCache, idx: torch.Tensor, module):
+        device = self.acc.device
+        rows = cache.positions[idx]
+        labels = cache.labels[idx].to(device)
+        logits = module(self.inputs(cache, rows))  # [B, K, V]
+        target = None
+        if self.cfg.loss == "kl":
+            k = torch.arange(labels.shape[1]) + self.first - 1  # the target's law for label k sits here
+            nxt = (rows[:, None] + k[None]).clamp_max(cache.hidden.shape[0] - 1)
+            with torch.no_grad():
+                target = lm_logits(self.model, cache.hidden[nxt].to(device, torch.float32))
+        return logits, labels, target
+
+    def loss(self, items: list[int], batch: list[int]) -> tuple[torch.Tensor, dict]:
+        """Per head: the items' loss sum over the global batch's count of valid labels."""
+        counts = (self.train_set.labels[torch.tensor(batch)] != IGNORE).sum(0)
+        logits, labels, target = self._outputs(self.train_set, torch.tensor(items), self.module)
+        loss, per_head = head_loss(logits, labels, self.cfg.head_decay, target, counts=counts)
+        return loss, {f"train/loss_head{k + 1}": float(v) for k, v in enumerate(per_head)} | {"_tokens": len(items)}
+
+    def load_weights(self, drafter) -> None:
+        self.trainable.load_state_dict(self.trainable_of(drafter).float().state_dict())
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self, batch: int = 512) -> dict:
+        """Rank-wise accuracy of each prediction on held-out positions (plus the kind's extras)."""
+        self.trainable.eval()
+        plain = lambda h: self.forward(self.trainable, h)  # noqa: E731 (no DDP on the main process alone)
+        K, R = self.num_outputs, self.cfg.eval_ranks
+        hits, valid = torch.zeros(K, R), torch.zeros(K)
+        loss_sum, n = 0.0, 0
+        for s in range(0, len(self.eval_set.positions), batch):
+            idx = torch.arange(s, min(s + batch, len(self.eval_set.positions)))
+            logits, labels, target = self._outputs(self.eval_set, idx, plain)
+            loss, _ = head_loss(logits, labels, self.cfg.head_decay, target)
+            h, v = rank_hits(logits, labels, R)
+            hits += h.cpu()
+            valid += v.cpu()
+            loss_sum, n = loss_sum + float(loss) * len(idx), n + len(idx)
+        self.trainable.train()
+        acc = (hits / valid.clamp_min(1)[:, None]).tolist()
+        out = {"eval/loss": loss_sum / max(1, n), "eval/rank_accuracy": acc}
+        out |= self.eval_extras(acc)
+        out |= {f"eval/top1_head{k + 1}": acc[k][0] for k in range(K)}
+        out |= {f"eval/top{R}_head{k + 1}": sum(acc[k]) for k in range(K)}
+        return out
+
+    def eval_extras(self, rank_accuracy: list[list[float]]) -> dict:
+        return {}
+
+    # ------------------------------------------------------------------ export
+    def export(self) -> dict:
+        """Held-out metrics, the kind's export choices (:meth:`finalize`), summary, plot, drafter."""
+        from selfspec.drafters import save_drafter
+
+        metrics = self.evaluate() if self.acc.is_main_process else {}
+        summary = {"steps": self.step, "train_positions": len(self.train_set.positions),
+                   "eval_positions": len(self.eval_set.positions), "metrics": metrics, "tree": None}
+        if self.acc.is_main_process:
+            summary |= self.finalize(metrics)
+            self.write_summary(summary)
+            if self.cfg.export:
+                save_drafter(self.drafter, self.cfg.export, tokenizer=self.tokenizer,
+                             extra={"training": asdict(self.cfg), "eval": metrics, "steps": self.step})
+        return summary
+
+    def finalize(self, metrics: dict) -> dict:
+        """Set the exported drafter's options from measured accuracies; extra summary fields."""
+        return {}
+
+    def plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        K = self.num_outputs
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        train = [r for r in self.history if "train/loss" in r]
+        for k in range(K):
+            a.plot([r["step"] for r in train], [r[f"train/loss_head{k + 1}"] for r in train], label=f"head {k + 1}")
+        a.set(xlabel="step", ylabel="train loss", title="loss per head")
+        a.legend()
+        evals = [r for r in self.history if "eval/loss" in r]
+        for k in range(K):
+            b.plot([r["step"] for r in evals], [r[f"eval/top1_head{k + 1}"] for r in evals], marker="o", label=f"head {k + 1}")
+        b.set(xlabel="step", ylabel="held-out top-1 accuracy", title="accuracy per head")
+        b.legend()
+        fig.tight_layout()
+        fig.savefig(self.out / "training_curves.png", dpi=110)
+        plt.close(fig)
+
