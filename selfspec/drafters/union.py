@@ -10,7 +10,9 @@ members take the best value. The union keeps the highest-value nodes (ancestors 
 value never exceeds its parent's) while the value is at least ``min_value`` and within
 ``max_nodes`` (default: the largest member's own node budget, e.g. its calibrated tree): weak
 nodes of one member no longer crowd out a strong member's draft, and nodes
-that would rarely be accepted are not verified at all, so the union does not pay for them.
+that would rarely be accepted are not verified at all, so the union does not pay for them. A
+member whose best depth-1 node is worth less than ``min_value`` is not even asked for its tree in
+a merged step (its counts decay, so it is asked again after a while).
 
 A merge still pays every member's drafting time and verify budget, so it can lose to one of its
 members alone (a weak member's heads cost milliseconds every step on a CPU), and a member can lose
@@ -113,7 +115,7 @@ class UnionDrafter(Drafter):
         self.last_probe: dict = {}  # (arm, keys) -> step of its last probe; None -> of the last probe
         self.steps = 0  # steps decided so far (over all generations)
         self._state: tuple[int, ...] = ()
-        self._arm, self._pending = len(self.arms) - 1, None
+        self._arm, self._pending, self._asked = len(self.arms) - 1, None, set()
 
     def arm_key(self, arm: int, state: tuple[int, ...]) -> tuple[int, ...]:
         """The part of context ``state`` an arm's speed is kept under: its own members' keys."""
@@ -215,6 +217,14 @@ class UnionDrafter(Drafter):
         own = [_ratio(self.sums.get((a, self.arm_key(a, state)))) for a in range(len(self.arms))]
         return [r if r is not None else pooled[a] for a, r in enumerate(own)]
 
+    def _best_first(self, member: int) -> float:
+        """The highest value a depth-1 node of ``member`` can get (its best measured rank there;
+        the prior, 2/3, while none is measured). Deeper nodes are worth less, so below
+        ``min_value`` none of its nodes would be kept: asking it would only cost time. Counts decay,
+        so such a member is asked again after a while and re-measured."""
+        ranks = [r for (m, d, r) in self.tests if m == member and d == 1] or [0]
+        return max(self.rate(member, 1, r) for r in ranks)
+
     def rate(self, member: int, depth: int, rank: int) -> float:
         """Measured acceptance of the member's rank-``rank`` child at ``depth`` (given its parent
         was accepted), with a Beta(1, 0.5) prior."""
@@ -224,6 +234,9 @@ class UnionDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> DraftTree:
         self._arm = self._choose_arm(ctx)
         chosen = set(self.arms[self._arm])
+        if len(chosen) > 1:  # a member none of whose depth-1 nodes would pass the value floor is not asked
+            chosen = {m for m in chosen if self._best_first(m) >= self.min_value} or chosen
+        self._asked = chosen
         for m, member in enumerate(self.members):
             if m not in chosen:
                 member.skip(ctx)
@@ -280,7 +293,7 @@ class UnionDrafter(Drafter):
                     self.tests[src] = self.tests.get(src, 0.0) + 1.0
                     if node in accepted:
                         self.hits[src] = self.hits.get(src, 0.0) + 1.0
-        for m in self.arms[self._arm]:
+        for m in sorted(self._asked):
             self.members[m].observe(ctx, tree, verdict)
 
 
