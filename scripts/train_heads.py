@@ -9,6 +9,7 @@ On GPUs: accelerate launch [--num_processes N] scripts/train_heads.py --config c
 (CPU processes: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 ..., gloo; plain
 `accelerate launch --cpu --num_processes 2` starts ONE process unless MPI is set up). The global batch
 is the same for any N.
+Plan first: --dry-run [--processes N] prints the memory and time estimate and the exact launch command.
 Interrupted? Rerun the same command with --resume: training continues from the last checkpoint
 (with any number of processes). Without --resume, a run folder holding a checkpoint is refused.
 """
@@ -30,9 +31,18 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="YAML config (configs/*.yaml)")
     ap.add_argument("--resume", action="store_true", help="continue from <run.out_dir>/checkpoint")
+    ap.add_argument("--dry-run", action="store_true", help="print the memory and time estimate and the launch "
+                    "command, then exit (nothing is loaded or trained)")
+    ap.add_argument("--processes", type=int, default=1, help="processes (GPUs) for --dry-run's estimate and command")
+    ap.add_argument("--tflops", type=float, default=200.0, help="assumed sustained TFLOP/s per process (--dry-run)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 run.wandb_mode=disabled")
     args = ap.parse_args(argv)
     cfg = load_any(args.config, args.overrides, default_recipe="train_heads")
+    if args.dry_run:
+        from training.dry_run import report
+
+        print(report(args.config, cfg, args.overrides, args.processes, args.tflops), end="")
+        return
     summary = recipes.run(cfg, resume=args.resume)
     m = summary["metrics"]
     if not m:  # not the main process: the main one reports

@@ -32,9 +32,12 @@ def num_layers(model) -> int:
 
 
 class LayerSlice:
-    """A callable running ``indices`` (increasing layer numbers) of ``model``'s decoder."""
+    """A callable running ``indices`` (increasing layer numbers) of ``model``'s decoder, or, with
+    ``layers``, modules standing in for them (e.g. copies carrying LoRA adapters; each keeps its
+    ``layer_idx``)."""
 
-    def __init__(self, model, indices: Sequence[int], *, final_norm: bool = True):
+    def __init__(self, model, indices: Sequence[int], *, final_norm: bool = True,
+                 layers: Sequence[nn.Module] | None = None):
         self.decoder = model.get_decoder()
         if self.decoder is None or not isinstance(getattr(self.decoder, "layers", None), nn.ModuleList):
             raise ValueError(f"{type(model).__name__} has no decoder.layers list: layer slices are not supported")
@@ -44,7 +47,9 @@ class LayerSlice:
             raise ValueError(f"layer indices must be increasing, distinct and within [0, {total}), got {list(indices)}")
         if not isinstance(getattr(self.decoder, "norm", None), nn.Module):
             raise ValueError(f"{type(self.decoder).__name__} has no final `norm` module: layer slices are not supported")
-        self.layers = nn.ModuleList([self.decoder.layers[i] for i in self.indices])
+        if layers is not None and len(layers) != len(self.indices):
+            raise ValueError(f"{len(layers)} stand-in layers for {len(self.indices)} indices")
+        self.layers = nn.ModuleList(list(layers) if layers is not None else [self.decoder.layers[i] for i in self.indices])
         types = getattr(self.decoder.config, "layer_types", None)
         self.layer_types = None if types is None else [types[i] for i in self.indices]
         self.final_norm = final_norm

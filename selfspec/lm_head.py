@@ -24,7 +24,8 @@ def lm_logits(model, hidden: torch.Tensor, head: nn.Module | None = None) -> tor
     embeddings), plus the model's final logit soft-capping if its config has one."""
     head = head if head is not None else model.get_output_embeddings()
     if type(head) is nn.Linear:
-        flat = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.device)  # models split over devices
+        # (models split over devices; a float32 trainable head over a bf16 target's LM head)
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.device, head.weight.dtype)
         logits = (head.weight @ flat.T).T  # [N, V]: the fast layout for few rows
         if head.bias is not None:
             logits = logits + head.bias

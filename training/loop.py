@@ -134,6 +134,8 @@ class TrainingRun(ABC):
 
     #: progress-bar label
     name = "drafter"
+    #: cast the trainable module to float32 (off for modules sharing frozen weights with the target)
+    cast_trainable = True
 
     def __init__(self, cfg, *, model=None, tokenizer=None):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
@@ -212,7 +214,9 @@ class TrainingRun(ABC):
         with self.acc.main_process_first():  # feature caches: built once, read by the others
             self.prepare()
         self.total_steps = max(1, math.ceil(cfg.optim.epochs * self.steps_per_epoch()))
-        self.trainable.float().train()
+        if self.cast_trainable:
+            self.trainable.float()
+        self.trainable.train()
         params = [p for p in self.trainable.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         self._module, self.optimizer = self.acc.prepare(TrainModule(self.trainable, self.forward), self.optimizer)

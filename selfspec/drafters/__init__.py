@@ -13,6 +13,8 @@ from .base import DraftContext, Drafter, Proposal, TargetSignature
 from .eagle3 import Eagle3Config, Eagle3Drafter, build_eagle3, eagle3_from_checkpoint, eagle3_weights
 from .layerskip import (LayerSkipConfig, LayerSkipDrafter, build_layerskip, layerskip_from_checkpoint,
                         layerskip_weights)
+from .lora_skip import (LoraSkipConfig, LoraSkipDrafter, build_lora_skip, lora_skip_from_checkpoint,
+                        lora_skip_weights)
 from .medusa import MedusaConfig, MedusaDrafter, build_medusa, medusa_from_checkpoint, medusa_weights
 from .ngram import NgramConfig, NgramDrafter
 from .suffix import SuffixConfig, SuffixDrafter
@@ -182,6 +184,11 @@ def _build_layerskip(model, **options) -> LayerSkipDrafter:
     return build_layerskip(model, **options)
 
 
+def _build_lora_skip(model, **options) -> LoraSkipDrafter:
+    _check_options("layerskip_lora", LoraSkipConfig, options)
+    return build_lora_skip(model, **options)
+
+
 def _build_eagle3(model, **options) -> Eagle3Drafter:
     _check_options("eagle3", Eagle3Config, options)
     return build_eagle3(model, **options)
@@ -220,8 +227,10 @@ register("eagle3", _build_eagle3)
 _CHECKPOINTS["eagle3"] = (eagle3_weights, eagle3_from_checkpoint)
 register("layerskip", _build_layerskip)
 _CHECKPOINTS["layerskip"] = (layerskip_weights, layerskip_from_checkpoint)
+register("layerskip_lora", _build_lora_skip)
+_CHECKPOINTS["layerskip_lora"] = (lora_skip_weights, lora_skip_from_checkpoint)
 
 __all__ = [
-    "DraftContext", "Drafter", "Proposal", "Eagle3Config", "Eagle3Drafter", "LayerSkipConfig", "LayerSkipDrafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "SuffixConfig", "SuffixDrafter", "TargetSignature", "ToolCallDrafter", "ToolDraftConfig",
+    "DraftContext", "Drafter", "Proposal", "Eagle3Config", "Eagle3Drafter", "LayerSkipConfig", "LayerSkipDrafter", "LoraSkipConfig", "LoraSkipDrafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "SuffixConfig", "SuffixDrafter", "TargetSignature", "ToolCallDrafter", "ToolDraftConfig",
     "UnionDrafter", "build_drafter", "drafter_from_spec", "load_drafter", "register", "save_drafter", "shipped_checkpoint",
 ]

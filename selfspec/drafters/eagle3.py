@@ -81,7 +81,7 @@ class Eagle3Drafter(Drafter):
         self.model, self.cfg, self.head = model, cfg, head.eval()
         self.embed = model.get_input_embeddings()
         self.taps = tuple(cfg.taps)
-        self._draft_ids = head.draft_ids.to("cpu")
+        self._draft_ids = head.draft_ids if head.draft_ids.is_meta else head.draft_ids.to("cpu")
         self.reset()
 
     def reset(self) -> None:

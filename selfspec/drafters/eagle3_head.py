@@ -136,6 +136,8 @@ class Eagle3Head(nn.Module):
     def set_vocab(self, draft_ids: torch.Tensor) -> None:
         """Use the increasing target ids ``draft_ids`` ``[V_d]`` as the draft vocabulary."""
         ids = draft_ids.to(self.d2t.device, torch.long)
+        if ids.is_meta:  # shapes only (a dry run's estimate): nothing to check or fill
+            return
         if ids.shape != self.d2t.shape or bool((ids[1:] <= ids[:-1]).any()):
             raise ValueError(f"draft ids must be {self.d2t.shape[0]} increasing target ids")
         if int(ids[0]) < 0 or int(ids[-1]) >= self.t2d.shape[0]:

@@ -36,6 +36,8 @@ finds it still more than 10% slower than the best is probed half as often (down 
 ``16 * probe_every`` steps; at once that rarely when it runs at less than half the best; back to
 every ``probe_every`` once within 10%), so exploring clearly losing arms costs little even in short
 generations. A member's step that drafted nothing is a plain step and also measures the plain arm.
+A simpler arm within 5% of the fastest estimate is preferred to it (estimates are noisy, and the
+luckiest arm would otherwise be chosen: a merge must be clearly faster than a member alone).
 So in every state the union runs what its best member
 with its own policy would run there (that member, or plain steps), up to the probes. Members not
 asked in a step are told to ``skip`` it (so feature-reading drafters stay in sync). Which arm
@@ -110,7 +112,7 @@ class UnionDrafter(Drafter):
         self.state_steps: dict[tuple[int, ...], int] = {}
         self.arm_steps = [0] * len(self.arms)  # how many steps each arm ran (diagnostics)
         self.probe_every, self.rate_decay, self.clock = probe_every, rate_decay, clock
-        self.probe_margin, self.max_probe_wait = 0.1, 16 * probe_every
+        self.probe_margin, self.max_probe_wait, self.select_margin = 0.1, 16 * probe_every, 0.05
         self.probe_wait: dict[tuple, int] = {}  # (arm, its members' keys) -> steps between its probes
         self.last_probe: dict = {}  # (arm, keys) -> step of its last probe; None -> of the last probe
         self.steps = 0  # steps decided so far (over all generations)
@@ -191,7 +193,7 @@ class UnionDrafter(Drafter):
         # per member); the merge, new in this state, borrows its speed over all states
         guess = self.estimates(state)
         unknown = [a for a, r in enumerate(guess) if r is None or (len(self.arms[a]) == 1 and not measured[a])]
-        best = max(range(len(self.arms)), key=lambda a: guess[a] or 0.0)  # ties: the cheaper arm
+        best = self._best(guess)
         probe = False
         if unknown:
             arm = unknown[0]
@@ -209,6 +211,15 @@ class UnionDrafter(Drafter):
         self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe, False)
         self.arm_steps[arm] += 1
         return arm
+
+    def _best(self, guess: list[float | None]) -> int:
+        """The arm to run: the fastest estimate, unless a simpler arm (fewer members: plain, then
+        one member, then the merge) is within ``select_margin`` of it. Estimates are noisy, and the
+        arm that measured luckiest is the one chosen next (a winner's curse); a merge that is not
+        clearly faster than a member alone costs more than it returns."""
+        top = max((r or 0.0) for r in guess)
+        near = [a for a, r in enumerate(guess) if (r or 0.0) >= (1 - self.select_margin) * top]
+        return min(near, key=lambda a: (len(self.arms[a]), -(guess[a] or 0.0)))
 
     def estimates(self, state: tuple[int, ...]) -> list[float | None]:
         """Estimated tokens/s of each arm in context ``state`` (measured under the keys of its own

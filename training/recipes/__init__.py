@@ -9,6 +9,7 @@ from __future__ import annotations
 from .cached_features import HeadsTrainConfig
 from .eagle3 import Eagle3Recipe, Eagle3TrainConfig
 from .layerskip import LayerSkipRecipe
+from .layerskip_lora import LoraSkipRecipe, LoraSkipTrainConfig
 from .medusa import MedusaRecipe
 
 #: kind -> (config class, recipe class)
@@ -16,6 +17,7 @@ RECIPES: dict[str, tuple[type, type]] = {
     "medusa": (HeadsTrainConfig, MedusaRecipe),
     "layerskip": (HeadsTrainConfig, LayerSkipRecipe),
     "eagle3": (Eagle3TrainConfig, Eagle3Recipe),
+    "layerskip_lora": (LoraSkipTrainConfig, LoraSkipRecipe),
 }
 
 
@@ -37,5 +39,5 @@ def run(cfg, *, resume: bool = False, **given) -> dict:
     return RECIPES[cfg.kind][1].run(cfg, resume=resume, **given)
 
 
-__all__ = ["RECIPES", "Eagle3Recipe", "Eagle3TrainConfig", "HeadsTrainConfig", "LayerSkipRecipe", "MedusaRecipe",
+__all__ = ["RECIPES", "Eagle3Recipe", "Eagle3TrainConfig", "HeadsTrainConfig", "LayerSkipRecipe", "LoraSkipRecipe", "LoraSkipTrainConfig", "MedusaRecipe",
            "config_class", "recipe_for", "run"]

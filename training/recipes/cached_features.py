@@ -44,6 +44,8 @@ class HeadsTrainConfig:
         eval_ranks: candidates per head measured (tree width limit).
         tree_budget: draft nodes of the exported tree.
         max_len: longest example (tokens) used.
+        target_dtype: dtype the frozen target is loaded in to compute the cached features
+            (``bfloat16`` halves a large target's memory; the heads train in float32).
         export: where the final drafter checkpoint is written (``null`` to skip).
         overwrite_export: allow ``export`` to replace an existing folder (refused otherwise, at
             setup, before any training).
@@ -61,6 +63,7 @@ class HeadsTrainConfig:
     eval_ranks: int = 4
     tree_budget: int = 10
     max_len: int = 1024
+    target_dtype: str = "float32"
     export: str | None = None
     overwrite_export: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -77,6 +80,8 @@ class HeadsTrainConfig:
                                  "weights: pick its exit layer with scripts/pick_exit_layer.py)")
             if self.layerskip.layers is not None:
                 raise ValueError("training supports exit layers (layerskip.exit_layer), not layer subsets")
+        if self.target_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"target_dtype must be float32, bfloat16 or float16, got {self.target_dtype!r}")
         if self.loss not in ("ce", "kl"):
             raise ValueError(f"loss must be 'ce' or 'kl', got {self.loss!r}")
 

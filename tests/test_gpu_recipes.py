@@ -1,0 +1,74 @@
+"""The GPU recipes (``configs/*_gpu.yaml`` that train) run here, on CPU, through the same entry point
+and code path with a tiny model of the same architecture (only sizes, paths and the step count are
+overridden; bf16 mixed precision stays on, as CPU autocast), and ``--dry-run`` prints an estimate
+and the exact launch command for the real target without loading it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+
+from tiny_models import tiny_model, tiny_tokenizer
+from training.config import load_any
+from training.dry_run import KNOWN_TARGETS
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_CONFIGS = [p for p in sorted((ROOT / "configs").glob("*_gpu.yaml")) if load_any(p).recipe == "train_heads"]
+FAMILY = {"qwen2": "qwen2", "llama": "llama"}
+
+
+def _train_heads():
+    spec = importlib.util.spec_from_file_location("train_heads", ROOT / "scripts" / "train_heads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_there_are_gpu_recipes_for_medusa_and_eagle3():
+    assert {load_any(p).kind for p in GPU_CONFIGS} >= {"medusa", "eagle3"}
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=[p.name for p in GPU_CONFIGS])
+def test_gpu_recipe_runs_on_a_tiny_model_of_its_architecture(path, tmp_path, capsys):
+    cfg = load_any(path)
+    family = FAMILY[KNOWN_TARGETS[cfg.target]["model_type"]]
+    model = tiny_model(family, vocab=64, dtype=torch.float32, layers=8)
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(10):
+        prompt = torch.randint(0, 64, (6,), generator=g)
+        out = model.generate(prompt[None], max_new_tokens=16, do_sample=False, pad_token_id=0)[0]
+        rows.append(dict(source="tiny", source_id=str(i), prompt_ids=prompt.tolist(), response_ids=out[6:].tolist(),
+                         decoding="greedy"))
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "data"))
+    overrides = [f"target={tmp_path / 'model'}", f"dataset={tmp_path / 'data'}", f"run.out_dir={tmp_path / 'run'}",
+                 f"export={tmp_path / 'exported'}", "run.wandb_mode=disabled", "run.eval_every=2", "run.ckpt_every=2",
+                 "optim.warmup_steps=1", "eval_fraction=0.2"]
+    if cfg.kind == "eagle3":
+        overrides += ["eagle3.draft_vocab_size=32", "tokens_per_batch=64", "optim.epochs=0.2", "max_eval_examples=2"]
+    else:
+        overrides += ["optim.batch_size=32", "optim.epochs=0.5", "max_len=64"]
+    _train_heads()(["--config", str(path), *overrides])
+    assert "steps" in capsys.readouterr().out
+    import selfspec
+
+    drafter = selfspec.load_drafter(tmp_path / "exported", model)
+    assert drafter.kind == cfg.kind
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=[p.name for p in GPU_CONFIGS])
+def test_dry_run_estimates_the_real_target_without_loading_it(path, capsys):
+    _train_heads()(["--config", str(path), "--dry-run", "--processes", "8"])
+    out = capsys.readouterr().out
+    cfg = load_any(path)
+    assert f"command: accelerate launch --multi_gpu --num_processes 8 --mixed_precision {cfg.run.mixed_precision} " \
+           f"scripts/train_heads.py --config {path}" in out
+    assert "memory per process" in out and "B parameters" in out
+    params = float(out.split("(")[1].split("B parameters")[0])
+    assert 6.5 < params < 8.5  # a 7-8B target, from its published config (meta device: no weights)

@@ -1,0 +1,46 @@
+"""Batches of whole examples (prompt + response token ids), shared by the recipes that run the
+target online: length buckets, a seeded order, right-padded collation."""
+
+from __future__ import annotations
+
+import torch
+
+
+def length_buckets(examples: list[dict], max_len: int, tokens_per_batch: int) -> list[list[int]]:
+    """Example indices grouped by length into batches of at most ``tokens_per_batch`` padded
+    tokens (a fixed list: with :func:`batch_at` the data order is a pure function of seed and step)."""
+    lengths = [min(len(e["prompt_ids"]) + len(e["response_ids"]), max_len) for e in examples]
+    order = sorted(range(len(examples)), key=lambda i: lengths[i])
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > tokens_per_batch:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def batch_at(batches: list[list[int]], step: int, seed: int) -> list[int]:
+    """The batch of ``step``: each epoch visits every batch once, in a seeded order."""
+    epoch, i = divmod(step, len(batches))
+    perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+    return batches[int(perm[i])]
+
+
+def collate(examples: list[dict], max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids [B, T] right-padded with 0, lengths [B], prompt lengths [B])``, cut at ``max_len``."""
+    cut = [(e["prompt_ids"] + e["response_ids"])[:max_len] for e in examples]
+    ids = torch.zeros(len(cut), max(len(c) for c in cut), dtype=torch.long)
+    for b, c in enumerate(cut):
+        ids[b, : len(c)] = torch.tensor(c)
+    return ids, torch.tensor([len(c) for c in cut]), torch.tensor([len(e["prompt_ids"]) for e in examples])
+
+
+def split_examples(examples: list[dict], eval_fraction: float, seed: int, max_eval: int) -> tuple[list[dict], list[dict]]:
+    """Seeded train / held-out split of the examples with a response (held-out capped at ``max_eval``)."""
+    usable = [ex for ex in examples if ex["response_ids"] and ex["prompt_ids"]]
+    order = torch.randperm(len(usable), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = max(1, int(len(usable) * eval_fraction))
+    return [usable[i] for i in order[n_eval:]], [usable[i] for i in order[:n_eval]][:max_eval]
