@@ -21,6 +21,17 @@ GPU_CONFIGS = [p for p in sorted((ROOT / "configs").glob("*_gpu.yaml")) if load_
 FAMILY = {"qwen2": "qwen2", "llama": "llama"}
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state: earlier tests made it with mixed_precision "no", and
+    a bf16 recipe in the same process must start from a fresh one (as a new process would)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def _train_heads():
     spec = importlib.util.spec_from_file_location("train_heads", ROOT / "scripts" / "train_heads.py")
     module = importlib.util.module_from_spec(spec)
