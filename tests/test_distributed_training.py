@@ -24,10 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset
 from safetensors.torch import load_file
 
-from tiny_models import tiny_model, tiny_tokenizer
+from test_training import saved_target_and_data
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).with_name("accelerate")
@@ -35,17 +34,7 @@ pytestmark = pytest.mark.skipif(not ACCELERATE.exists(), reason="the accelerate 
 
 
 def _setup(tmp: Path) -> Path:
-    model = tiny_model("llama", vocab=64, dtype=torch.float32)
-    model.save_pretrained(tmp / "model")
-    tiny_tokenizer().save_pretrained(tmp / "model")
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(16):
-        prompt = torch.randint(0, 64, (6,), generator=g)
-        out = model.generate(prompt[None], max_new_tokens=24, do_sample=False, pad_token_id=0)[0]
-        rows.append(dict(source="tiny", source_id=str(i), prompt_ids=prompt.tolist(), response_ids=out[6:].tolist(),
-                         decoding="greedy"))
-    Dataset.from_list(rows).save_to_disk(str(tmp / "data"))
+    saved_target_and_data(tmp, n=16)
     cfg = tmp / "medusa_tiny.yaml"
     cfg.write_text(f"""recipe: train_heads
 kind: medusa

@@ -34,6 +34,7 @@ def _trained(model, tmp_path, steps=60, **eagle3):
     """A head trained for a few steps on the model's own greedy continuations (so drafts are
     often right), through the real recipe."""
     from training.recipes import Eagle3Recipe, Eagle3TrainConfig
+    from training.batching import length_buckets
     from training.loop import OptimConfig, RunConfig
 
     g = torch.Generator().manual_seed(1)
@@ -49,7 +50,7 @@ def _trained(model, tmp_path, steps=60, **eagle3):
         optim=OptimConfig(lr=3e-3, warmup_steps=5, epochs=1.0, batch_size=0),
         run=RunConfig(out_dir=str(tmp_path / "run"), wandb_mode="disabled", log_every=5, eval_every=1000,
                       ckpt_every=1000))
-    cfg.optim.epochs = steps / max(1, len(Eagle3Recipe(cfg)._bucket(examples)))
+    cfg.optim.epochs = steps / max(1, len(length_buckets(examples, cfg.max_len, cfg.tokens_per_batch)))
     recipe = Eagle3Recipe(cfg, model=model, tokenizer=None, examples=examples)
     recipe.setup()
     if steps == 0:

@@ -9,10 +9,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-import torch
-from datasets import Dataset
 
-from tiny_models import tiny_model, tiny_tokenizer
+from test_training import saved_target_and_data
 from training.config import load_any
 from training.dry_run import KNOWN_TARGETS
 
@@ -47,17 +45,7 @@ def test_there_are_gpu_recipes_for_medusa_and_eagle3():
 def test_gpu_recipe_runs_on_a_tiny_model_of_its_architecture(path, tmp_path, capsys):
     cfg = load_any(path)
     family = FAMILY[KNOWN_TARGETS[cfg.target]["model_type"]]
-    model = tiny_model(family, vocab=64, dtype=torch.float32, layers=8)
-    model.save_pretrained(tmp_path / "model")
-    tiny_tokenizer().save_pretrained(tmp_path / "model")
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(10):
-        prompt = torch.randint(0, 64, (6,), generator=g)
-        out = model.generate(prompt[None], max_new_tokens=16, do_sample=False, pad_token_id=0)[0]
-        rows.append(dict(source="tiny", source_id=str(i), prompt_ids=prompt.tolist(), response_ids=out[6:].tolist(),
-                         decoding="greedy"))
-    Dataset.from_list(rows).save_to_disk(str(tmp_path / "data"))
+    saved_target_and_data(tmp_path, family, layers=8, n=10, new=16)
     overrides = [f"target={tmp_path / 'model'}", f"dataset={tmp_path / 'data'}", f"run.out_dir={tmp_path / 'run'}",
                  f"export={tmp_path / 'exported'}", "run.wandb_mode=disabled", "run.eval_every=2", "run.ckpt_every=2",
                  "optim.warmup_steps=1", "eval_fraction=0.2"]
@@ -69,6 +57,9 @@ def test_gpu_recipe_runs_on_a_tiny_model_of_its_architecture(path, tmp_path, cap
     assert "steps" in capsys.readouterr().out
     import selfspec
 
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     drafter = selfspec.load_drafter(tmp_path / "exported", model)
     assert drafter.kind == cfg.kind
 

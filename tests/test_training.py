@@ -28,6 +28,19 @@ def tiny_dataset(model, n: int = 12, new: int = 24) -> Dataset:
     return Dataset.from_list(rows)
 
 
+def saved_target_and_data(folder: Path, family: str = "llama", layers: int | None = None, n: int = 12,
+                          new: int = 24) -> tuple[Path, Path]:
+    """A tiny float32 target with a tokenizer (``folder/model``) and its greedy self-distilled
+    dataset (``folder/data``), on disk as ``scripts/train_heads.py`` reads them."""
+    from tiny_models import tiny_tokenizer
+
+    model = tiny_model(family, vocab=64, dtype=torch.float32, layers=layers)
+    model.save_pretrained(folder / "model")
+    tiny_tokenizer().save_pretrained(folder / "model")
+    tiny_dataset(model, n, new).save_to_disk(str(folder / "data"))
+    return folder / "model", folder / "data"
+
+
 def tiny_config(tmp_path, **run) -> HeadsTrainConfig:
     return load_config(HeadsTrainConfig, None, [
         f"run.out_dir={tmp_path / 'run'}", "run.wandb_mode=disabled", "run.log_every=2", "run.eval_every=5",

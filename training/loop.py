@@ -111,6 +111,12 @@ class RunConfig:
             raise ValueError(f"run.wandb_mode must be offline, disabled or online, got {self.wandb_mode!r}")
 
 
+def check_dtype(name: str, value: str) -> None:
+    """Refuse a config dtype name other than float32 / bfloat16 / float16."""
+    if value not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {value!r}")
+
+
 class TrainModule(torch.nn.Module):
     """The trainable module with the recipe's forward: ``forward(*a) = fn(inner, *a)``. Only
     ``inner``'s parameters belong to it (the frozen target stays outside, so DDP never syncs it)."""

@@ -22,7 +22,7 @@ from selfspec.drafters.medusa import MedusaConfig
 from selfspec.lm_head import lm_logits
 
 from ..features import IGNORE, FeatureCache, build_features
-from ..loop import OptimConfig, RunConfig, TrainingRun
+from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype
 from ..losses import head_loss, rank_hits
 
 
@@ -80,8 +80,7 @@ class HeadsTrainConfig:
                                  "weights: pick its exit layer with scripts/pick_exit_layer.py)")
             if self.layerskip.layers is not None:
                 raise ValueError("training supports exit layers (layerskip.exit_layer), not layer subsets")
-        if self.target_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"target_dtype must be float32, bfloat16 or float16, got {self.target_dtype!r}")
+        check_dtype("target_dtype", self.target_dtype)
         if self.loss not in ("ce", "kl"):
             raise ValueError(f"loss must be 'ce' or 'kl', got {self.loss!r}")
 

@@ -35,7 +35,8 @@ from selfspec.drafters.eagle3 import Eagle3Config
 from selfspec.lm_head import lm_logits
 from selfspec.taps import capture_taps
 
-from ..loop import OptimConfig, RunConfig, TrainingRun
+from ..batching import batch_at, collate, length_buckets, split_examples
+from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -93,10 +94,8 @@ class Eagle3TrainConfig:
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
         if self.init not in ("exit", "random"):
             raise ValueError(f"init must be 'exit' or 'random', got {self.init!r}")
-        if self.target_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"target_dtype must be float32, bfloat16 or float16, got {self.target_dtype!r}")
-        if self.export_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"export_dtype must be float32, bfloat16 or float16, got {self.export_dtype!r}")
+        check_dtype("target_dtype", self.target_dtype)
+        check_dtype("export_dtype", self.export_dtype)
 
 
 def load_distilled(path: str | Path) -> list[dict]:
@@ -147,12 +146,8 @@ class Eagle3Recipe(TrainingRun):
         cfg = self.cfg
         if self.examples is None:
             self.examples = load_distilled(cfg.dataset)
-        examples = [ex for ex in self.examples if ex["response_ids"] and ex["prompt_ids"]]
-        g = torch.Generator().manual_seed(cfg.run.seed)
-        order = torch.randperm(len(examples), generator=g).tolist()
-        n_eval = max(1, int(len(examples) * cfg.eval_fraction))
-        self.eval_set = [examples[i] for i in order[:n_eval]][: cfg.max_eval_examples]
-        self.train_set = [examples[i] for i in order[n_eval:]]
+        self.train_set, self.eval_set = split_examples(self.examples, cfg.eval_fraction, cfg.run.seed,
+                                                       cfg.max_eval_examples)
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
         draft_ids, self.coverage = draft_vocabulary(self.train_set, cfg.eagle3.draft_vocab_size, vocab, self.eval_set)
         self.drafter = selfspec.build_drafter(self.model, "eagle3", **asdict(cfg.eagle3))
@@ -161,7 +156,7 @@ class Eagle3Recipe(TrainingRun):
         self._init_from_target()
         self._measure_tap_scale()
         self.drafter._draft_ids = self.head.draft_ids.cpu()
-        self.batches = self._bucket(self.train_set)
+        self.batches = length_buckets(self.train_set, cfg.max_len, cfg.tokens_per_batch)
 
     def forward(self, head, taps: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """The head unrolled ``steps`` times (training-time test): per step ``[B, T, V_d]`` logits."""
@@ -171,7 +166,7 @@ class Eagle3Recipe(TrainingRun):
         return len(self.batches)
 
     def step_items(self, step: int) -> list[int]:
-        return self._batch_at(step)
+        return batch_at(self.batches, step, self.cfg.run.seed)
 
     @torch.no_grad()
     def _init_from_target(self) -> None:
@@ -198,45 +193,13 @@ class Eagle3Recipe(TrainingRun):
         """Per-channel RMS of the taps over a few training examples (position 0, where targets put
         their massive attention-sink activations, excluded), floored at 1e-3 of the median."""
         batch = self.train_set[: examples]
-        ids, lengths, _ = self._collate(batch)
+        ids, lengths, _ = collate(batch, self.cfg.max_len)
         taps, _, _ = self._target(ids)
         keep = (torch.arange(ids.shape[1])[None] < lengths[:, None]) & (torch.arange(ids.shape[1])[None] > 0)
         rms = taps[keep.to(taps.device)].float().pow(2).mean(0).sqrt()
         self.head.tap_scale.copy_(rms.clamp_min(float(rms.median()) * 1e-3))
         if self.cfg.init == "exit":  # keep fc(taps / tap_scale) == the highest tap
             self.head.fc.weight.mul_(self.head.tap_scale[None, :])
-
-    def _bucket(self, examples: list[dict]) -> list[list[int]]:
-        """Example indices grouped by length into batches of at most ``tokens_per_batch`` padded
-        tokens (a fixed list: the data order is a pure function of seed and step)."""
-        lengths = [min(len(e["prompt_ids"]) + len(e["response_ids"]), self.cfg.max_len) for e in examples]
-        order = sorted(range(len(examples)), key=lambda i: lengths[i])
-        batches, cur = [], []
-        for i in order:
-            if cur and (len(cur) + 1) * lengths[i] > self.cfg.tokens_per_batch:
-                batches.append(cur)
-                cur = []
-            cur.append(i)
-        if cur:
-            batches.append(cur)
-        return batches
-
-    def _batch_at(self, step: int) -> list[int]:
-        n = len(self.batches)
-        epoch, i = divmod(step, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.run.seed * 7919 + epoch))
-        return self.batches[int(perm[i])]
-
-    # ---------------------------------------------------------------- features and loss
-    def _collate(self, examples: list[dict]):
-        cut = [(e["prompt_ids"] + e["response_ids"])[: self.cfg.max_len] for e in examples]
-        width = max(len(c) for c in cut)
-        ids = torch.zeros(len(cut), width, dtype=torch.long)
-        for b, c in enumerate(cut):
-            ids[b, : len(c)] = torch.tensor(c)
-        lengths = torch.tensor([len(c) for c in cut])
-        prompts = torch.tensor([len(e["prompt_ids"]) for e in examples])
-        return ids, lengths, prompts
 
     @torch.no_grad()
     def _target(self, ids: torch.Tensor):
@@ -266,7 +229,7 @@ class Eagle3Recipe(TrainingRun):
         """Per-step loss, top-1 agreement and T=1 acceptance (sums and counts) for one batch,
         through ``module`` (default: the plain head; training passes the prepared module). Step
         j's loss is divided by ``counts[j]`` (default: this batch's valid positions)."""
-        ids, lengths, prompts = self._collate(examples)
+        ids, lengths, prompts = collate(examples, self.cfg.max_len)
         taps, logp, argmax = self._target(ids)
         head = self.head
         dtype = head.fc.weight.dtype

@@ -21,7 +21,7 @@ from selfspec.drafters.lora_skip import LoraSkipConfig
 from selfspec.lm_head import lm_logits
 
 from ..batching import batch_at, collate, length_buckets, split_examples
-from ..loop import OptimConfig, RunConfig, TrainingRun
+from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype
 from .eagle3 import load_distilled
 
 
@@ -60,8 +60,7 @@ class LoraSkipTrainConfig:
     def __post_init__(self) -> None:
         if self.recipe != "train_heads" or self.kind != "layerskip_lora":
             raise ValueError("LoraSkipTrainConfig is for recipe 'train_heads' with kind 'layerskip_lora'")
-        if self.target_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"target_dtype must be float32, bfloat16 or float16, got {self.target_dtype!r}")
+        check_dtype("target_dtype", self.target_dtype)
 
 
 class LoraSkipRecipe(TrainingRun):
