@@ -10,6 +10,20 @@ Public API::
         ...
 """
 
+def _check_transformers() -> None:
+    """Refuse transformers older than the one the cache code is written against: with 5.17 (seen on
+    a GPU image) every speculative step failed deep in the KV-cache bookkeeping instead."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release < MIN_TRANSFORMERS:
+        raise ImportError(f"selfspec needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} (its cache API), "
+                          f"found {transformers.__version__}: pip install -U 'transformers>=5.24,<6'")
+
+
+MIN_TRANSFORMERS = (5, 24)
+_check_transformers()
+
 from .drafters import DraftContext, Drafter, TargetSignature, build_drafter, load_drafter, register, save_drafter
 from .engine import SpecOutput, SpecStream, generate, stream
 from .loading import DEFAULT_TARGET, load_target

@@ -228,7 +228,8 @@ class Eagle3Drafter(Drafter):
                 q = target_probs(full, ctx.sampling)
                 builder.set_draft_probs(level[j], q)
                 count = min(len(ranks), int((q > 0).sum()))
-                for t in torch.multinomial(q, count, replacement=False, generator=ctx.generator).tolist():
+                for t in torch.multinomial(q.to(ctx.generator.device), count, replacement=False,
+                                           generator=ctx.generator).tolist():  # the generator's device
                     d = int(self._t2d_index[t])
                     node = builder.add(level[j], t, Law.WOR)
                     par[node] = level[j]

@@ -198,7 +198,8 @@ class LayerSkipDrafter(Drafter):
                     q = target_probs(logits[j], ctx.sampling)
                     builder.set_draft_probs(parent, q)
                     count = min(len(ranks), int((q > 0).sum()))
-                    draws = torch.multinomial(q, count, replacement=False, generator=ctx.generator).tolist()
+                    draws = torch.multinomial(q.to(ctx.generator.device), count, replacement=False,
+                                             generator=ctx.generator).tolist()
                     kids = [(t, Law.WOR, float(q_score[j, t])) for t in draws]
                 else:
                     kids = [(int(top.indices[j, r]), Law.POINT, float(top.values[j, r])) for r in ranks]

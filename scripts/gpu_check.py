@@ -1,0 +1,271 @@
+"""GPU check, for a machine with a CUDA device (the CPU CI never runs it).
+
+Two parts, each written to ``--out`` as JSON (and a short Markdown table):
+
+1. **Exactness on CUDA.** A small random llama, float64 on the GPU: speculative greedy output of
+   every drafter kind (ngram, suffix, medusa, layerskip, layerskip_lora, eagle3 and two unions) must
+   be token-identical to transformers' plain greedy on the same device; a sampled run (T=0.8,
+   top-p 0.9) must be reproducible from its seed. This is the CPU suite's greedy-identity test,
+   run where device placement bugs would show.
+2. **EAGLE-3 training on the GPU recipe.** ``configs/eagle3_llama3.1-8b_gpu.yaml`` with the real
+   target's shape (Llama-3.1-8B, from ``training.dry_run.KNOWN_TARGETS``) but *random weights*
+   (no hub here) in bfloat16, online features, synthetic token data of the recipe's lengths; a few
+   optimizer steps after warm-up. Recorded: training tokens/s, peak GPU memory, and the dry run's
+   estimate for the same config (memory, and the sustained TFLOP/s the measured speed implies
+   against the dry run's assumed 200). Speed does not depend on the weights' values, so random
+   weights measure the real cost; the losses mean nothing.
+
+    python scripts/gpu_check.py --out runs/gpu_check           # on a GPU machine
+    python scripts/gpu_check.py --out /tmp/g --device cpu --small   # the same code path, tiny, on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import selfspec  # noqa: E402
+from selfspec.benchmark import provenance  # noqa: E402
+
+
+def _tiny_llama(device, vocab=256, layers=6, hidden=128):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg)
+    model.config._attn_implementation = "sdpa"
+    return model.to(device=device, dtype=torch.float64).eval()
+
+
+def _randomised(drafter, scale=0.3, seed=1):
+    """Trained-looking (non-zero) weights for heads that initialise to zero or identity."""
+    g = torch.Generator().manual_seed(seed)
+    for module in (getattr(drafter, "head", None), getattr(drafter, "heads", None), getattr(drafter, "adapter", None)):
+        if module is None:
+            continue
+        for p in module.parameters():
+            if p.dtype.is_floating_point:
+                p.data.add_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p) * scale * p.data.std().clamp_min(1e-2))
+    return drafter
+
+
+def _step_clock():
+    import itertools
+
+    ticks = itertools.count()
+    return lambda: next(ticks) * 1e-3
+
+
+def exactness(device: str) -> dict:
+    from selfspec.drafters import build_drafter
+    from selfspec.drafters.union import UnionDrafter
+
+    model = _tiny_llama(device)
+    prompt = torch.tensor([[5, 17, 33, 5, 17, 33, 5, 17, 9, 40, 5, 17, 33, 7]], device=device)
+    n = 48
+    ref = model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)
+    kinds = {
+        "ngram": lambda: build_drafter(model, "ngram", min_ngram=1),
+        "suffix": lambda: build_drafter(model, "suffix"),
+        "medusa": lambda: _randomised(build_drafter(model, "medusa", num_heads=3)),
+        "layerskip": lambda: _randomised(build_drafter(model, "layerskip", exit_layer=2)),
+        "layerskip_lora": lambda: build_drafter(model, "layerskip_lora", exit_layer=2, rank=4),
+        "eagle3": lambda: _randomised(build_drafter(model, "eagle3", draft_vocab_size=128)),
+        # Unions choose arms by measured time; a step clock makes their choices (so a sampled
+        # output) a function of the seed alone.
+        "eagle3+ngram": lambda: UnionDrafter(clock=_step_clock(), members=[
+            _randomised(build_drafter(model, "eagle3", draft_vocab_size=128)), build_drafter(model, "ngram", min_ngram=1)]),
+        "suffix+ngram": lambda: UnionDrafter(clock=_step_clock(), members=[
+            build_drafter(model, "suffix"), build_drafter(model, "ngram", min_ngram=1)]),
+    }
+    rows = []
+    for name, build in kinds.items():
+        def make(build=build):
+            torch.manual_seed(0)  # the same drafter each time: a sampled run is reproducible for one drafter
+            return build()
+
+        row = {"drafter": name}
+        try:
+            drafter = make()
+            out = selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=n)
+            row["greedy_identical"] = bool(torch.equal(out.sequences, ref))
+            row["mean_accepted_length"] = round(out.stats.mean_accepted_length, 3)
+            a = selfspec.generate(model, prompt, drafter=make(), max_new_tokens=n, temperature=0.8, top_p=0.9, seed=3,
+                                  adaptive=False)  # the adaptive policy decides by measured time
+            b = selfspec.generate(model, prompt, drafter=make(), max_new_tokens=n, temperature=0.8, top_p=0.9, seed=3,
+                                  adaptive=False)
+            row["sampled_reproducible"] = bool(torch.equal(a.sequences, b.sequences))
+            row["sampled_tokens"] = int(a.stats.new_tokens)
+        except Exception as exc:  # report every kind, not the first failure only
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            import traceback
+
+            traceback.print_exc()
+        print(row, flush=True)
+        rows.append(row)
+    return {"device": device, "dtype": "float64", "new_tokens": n, "rows": rows,
+            "all_ok": all(r.get("greedy_identical") and r.get("sampled_reproducible") for r in rows)}
+
+
+def _synthetic_examples(n: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = prompt_len + int(torch.randint(0, prompt_len // 2 + 1, (1,), generator=g))
+        r = response_len + int(torch.randint(0, response_len // 2 + 1, (1,), generator=g))
+        ids = torch.randint(0, vocab, (p + r,), generator=g).tolist()
+        out.append({"prompt_ids": ids[:p], "response_ids": ids[p:], "source": "synthetic"})
+    return out
+
+
+def training(device: str, small: bool, steps: int) -> dict:
+    from accelerate.state import AcceleratorState
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from training.config import load_any
+    from training.dry_run import KNOWN_TARGETS, estimate
+    from training.recipes.eagle3 import Eagle3Recipe
+
+    path = ROOT / "configs" / "eagle3_llama3.1-8b_gpu.yaml"
+    cfg = load_any(path)
+    fields = dict(KNOWN_TARGETS[cfg.target])
+    if small:  # the same code path at toy size (a CPU rehearsal of this script)
+        fields |= dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=4096)
+        cfg = replace(cfg, tokens_per_batch=2048, max_len=512, eagle3=replace(cfg.eagle3, draft_vocab_size=1024),
+                      ttt_steps=3, run=replace(cfg.run, mixed_precision="no"), target_dtype="float32")
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config._attn_implementation = "sdpa"
+    t0 = time.time()
+    dtype = getattr(torch, cfg.target_dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    built = time.time() - t0
+    # Lengths like chat distillation: prompts ~200-300 tokens, answers ~400-600.
+    scale = 8 if small else 1
+    examples = _synthetic_examples(400, 200 // scale, 400 // scale, config.vocab_size)
+    out_dir = Path("/tmp/selfspec_gpu_check_run")
+    import shutil
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+    base = cfg
+    cfg = replace(cfg, target=f"random-weights {cfg.target} shape", export=None, eval_fraction=0.02, max_eval_examples=8,
+                  optim=replace(cfg.optim, warmup_steps=2, epochs=1.0),
+                  run=replace(cfg.run, out_dir=str(out_dir), wandb_mode="disabled", log_every=1,
+                              eval_every=10 ** 9, ckpt_every=10 ** 9))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    recipe = Eagle3Recipe(cfg, model=model, examples=examples)
+    recipe.setup()
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    warm = 2
+    recipe.train(stop_at=warm)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t1, step0 = time.time(), recipe.step
+    tokens = 0
+    for s in range(warm, warm + steps):
+        tokens += sum(len(recipe.train_set[i]["prompt_ids"]) + len(recipe.train_set[i]["response_ids"])
+                      for i in recipe.step_items(s))
+    recipe.train(stop_at=warm + steps)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    wall = time.time() - t1
+    done = recipe.step - step0
+    tps = tokens / wall
+    est = {} if small else estimate(base, processes=1, tflops=200.0, tokens=tokens)
+    result = {"target_shape": "Llama-3.1-8B" if not small else "toy", "target_params": sum(p.numel() for p in model.parameters()),
+              "target_dtype": cfg.target_dtype, "mixed_precision": cfg.run.mixed_precision,
+              "trainable_params": sum(p.numel() for p in recipe.trainable.parameters()),
+              "ttt_steps": cfg.ttt_steps, "draft_vocab_size": cfg.eagle3.draft_vocab_size,
+              "tokens_per_batch": cfg.tokens_per_batch, "model_build_s": round(built, 1),
+              "timed_steps": done, "timed_tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tps, 1),
+              "last_loss": recipe.history[-1].get("train/loss") if recipe.history else None}
+    if device.startswith("cuda"):
+        result["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 1024 ** 3, 2)
+        result["gpu"] = torch.cuda.get_device_name()
+    if est:
+        result["dry_run_estimate"] = est
+        # the dry run's FLOPs per token: 6 x trainable x unrolled steps + 2 x target (its pass)
+        flops_per_token = 6 * est["trainable_params"] * cfg.ttt_steps + 2 * est["target_params"]
+        result["implied_tflops"] = round(flops_per_token * tps / 1e12, 1)
+        result["dry_run_seconds_at_200_tflops"] = round(flops_per_token * tokens / 200e12, 2)
+    recipe.cleanup()
+    del recipe
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        result["forward_ms_by_new_tokens"] = forward_costs(model, device)
+    print(result, flush=True)
+    return result
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def forward_costs(model, device: str, context: int = 512, sizes=(1, 4, 8, 16, 32, 64, 128), reps: int = 10) -> dict:
+    """One target forward over n new tokens after a ``context``-token KV cache, median ms (what a
+    tree of n nodes costs to verify, against n = 1 for a plain decode step)."""
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, model.config.vocab_size, (1, context), generator=g).to(device)
+    cache = DynamicCache()
+    model(ctx, past_key_values=cache, use_cache=True)
+    out = {}
+    for n in sizes:
+        new = torch.randint(0, model.config.vocab_size, (1, n), generator=g).to(device)
+        times = []
+        for _ in range(reps + 2):
+            _sync(device)
+            t = time.perf_counter()
+            model(new, past_key_values=cache, use_cache=True)
+            _sync(device)
+            times.append((time.perf_counter() - t) * 1e3)
+            cache.crop(-n)
+        out[n] = round(sorted(times[2:])[len(times[2:]) // 2], 2)
+    print("forward ms by new tokens:", out, flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="toy sizes (rehearse the script on CPU)")
+    ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps (after 2 warm-up steps)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["exactness", "training"])
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"provenance": provenance(), "torch": torch.__version__,
+              "cuda": torch.version.cuda, "device": args.device}
+    if args.device.startswith("cuda"):
+        result["gpu"] = torch.cuda.get_device_name()
+    if "exactness" not in args.skip:
+        result["exactness"] = exactness(args.device)
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    if "training" not in args.skip:
+        result["training"] = training(args.device, args.small, args.steps)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0 if result.get("exactness", {}).get("all_ok", True) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
