@@ -243,17 +243,59 @@ def forward_costs(model, device: str, context: int = 512, sizes=(1, 4, 8, 16, 32
     return out
 
 
+def markdown(result: dict) -> str:
+    """The result file as Markdown (what ``scripts/render_docs.py`` embeds in the docs)."""
+    prov = result.get("provenance", {})
+    lines = [f"Command: `{result.get('command', 'python scripts/gpu_check.py --out DIR')}` on {result.get('gpu', result['device'])}, "
+             f"torch {prov.get('torch')}, transformers {prov.get('transformers')}, code at {result.get('code_commit', prov.get('commit'))}.", ""]
+    ex = result.get("exactness")
+    if ex:
+        lines += [f"Exactness on `{ex['device']}` ({ex['dtype']}, random 6-layer llama, {ex['new_tokens']} new tokens):", "",
+                  "| drafter | greedy identical to `model.generate` | MAT | seeded T=0.8 / top-p 0.9 run reproducible |",
+                  "|---|---|---|---|"]
+        for r in ex["rows"]:
+            lines.append(f"| {r['drafter']} | {r.get('greedy_identical', r.get('error'))} | {r.get('mean_accepted_length', '-')} | "
+                         f"{r.get('sampled_reproducible', r.get('error', '-'))} |")
+        lines.append("")
+    tr = result.get("training")
+    if tr:
+        est = tr.get("dry_run_estimate", {})
+        mem = est.get("memory_per_process", {})
+        lines += [f"EAGLE-3 GPU recipe (`configs/eagle3_llama3.1-8b_gpu.yaml`), {tr['target_shape']}-shaped target with random "
+                  f"weights in {tr['target_dtype']}, online features, {tr['ttt_steps']} unrolled steps, draft vocabulary "
+                  f"{tr['draft_vocab_size']}, {tr['tokens_per_batch']} tokens per batch, 1 process:", "",
+                  "| measured | value | dry-run estimate |", "|---|---|---|",
+                  f"| training tokens/s | {tr['tokens_per_s']:,.0f} ({tr['timed_steps']} steps, {tr['wall_s']} s) | "
+                  f"{tr['timed_tokens'] / max(tr.get('dry_run_seconds_at_200_tflops', 0), 1e-9):,.0f} at the assumed 200 TFLOP/s |",
+                  f"| sustained TFLOP/s (dry run's FLOP count) | {tr.get('implied_tflops', '-')} | 200 (assumed) |",
+                  f"| peak GPU memory (GiB) | {tr.get('peak_gpu_memory_gib', '-')} | {mem.get('total_gib', '-')} |"]
+        costs = tr.get("forward_ms_by_new_tokens")
+        if costs:
+            lines += ["", "Target forward over n new tokens after a 512-token cache (bf16, transformers eager + sdpa, median ms):", "",
+                      "| n | " + " | ".join(str(k) for k in costs) + " |", "|---" * (len(costs) + 1) + "|",
+                      "| ms | " + " | ".join(str(v) for v in costs.values()) + " |"]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="folder for gpu_check.json / .md")
+    ap.add_argument("--markdown", metavar="JSON", help="only write JSON's Markdown table next to it")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="toy sizes (rehearse the script on CPU)")
     ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps (after 2 warm-up steps)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["exactness", "training"])
     args = ap.parse_args(argv)
+    if args.markdown:
+        path = Path(args.markdown)
+        path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())), encoding="utf-8")
+        return 0
+    if not args.out:
+        ap.error("--out is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"provenance": provenance(), "torch": torch.__version__,
+    result = {"provenance": provenance(), "command": "python scripts/gpu_check.py " + " ".join(argv or sys.argv[1:]),
+              "torch": torch.__version__,
               "cuda": torch.version.cuda, "device": args.device}
     if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name()
@@ -263,6 +305,7 @@ def main(argv=None) -> int:
     if "training" not in args.skip:
         result["training"] = training(args.device, args.small, args.steps)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    (out / "gpu_check.md").write_text(markdown(result), encoding="utf-8")
     print(json.dumps(result, indent=1))
     return 0 if result.get("exactness", {}).get("all_ok", True) else 1
 

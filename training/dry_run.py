@@ -9,7 +9,10 @@ exactly, by the same ``build_drafter`` the recipe calls.
 The estimate per process: target weights in the config's ``target_dtype``, trainable parameters
 with their gradients and AdamW moments in float32 (16 bytes each), and the largest activations of
 one micro-batch (cached-feature kinds: the heads' logits over the vocabulary; online kinds: the
-target's transient pass plus the drafter's activations per unrolled step).
+target's transient pass plus the drafter's activations per unrolled step, for EAGLE-3 including
+its attention scores with every example ``max_len`` long, the worst case). Checked once on an H200
+(``docs/results/r7_gpu_check.md``): at 16k tokens per batch of ~900-token examples the run peaked
+at 119.6 GiB, which the worst case bounds from above.
 Time: ``6 x trainable (x unrolled steps) + 2 x target (online kinds)`` FLOPs per token and epoch at an assumed
 sustained throughput (``--tflops``, default 200 per GPU: bf16 on an H100-class card at about 40% of
 peak); tokens from the dataset when it exists here, else from the distill config's prompt counts.
@@ -114,6 +117,9 @@ def estimate(cfg, processes: int = 1, tflops: float = 200.0, tokens: int | None 
         draft_vocab = getattr(getattr(cfg, "eagle3", None), "draft_vocab_size", vocab)
         run_layers = layers
         act = micro * (hidden * 24 + vocab * 2 * 2) + steps * micro * (hidden * 34 + draft_vocab * 4 * 3)
+        if cfg.kind == "eagle3":  # the unrolled steps' attention scores, worst case every example max_len long:
+            # [B, heads, T, T] per step, kept for backward as bf16 scores + mask, fp32 softmax, bf16 probs
+            act += steps * micro * text.num_attention_heads * min(cfg.max_len, micro) * 10
     gib = 1024 ** 3
     mem = {"target_weights_gib": target_params * BYTES.get(dtype, 4) / gib,
            "trainable_and_adam_gib": n_train * 16 / gib, "activations_gib": act / gib}
