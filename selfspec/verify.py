@@ -27,11 +27,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingConfig, sample, target_probs
+from .sampling import SamplingConfig, target_probs
 from .tree import DraftTree, Law
 
-# A residual whose mass falls below this is rounding noise: fall back to the pre-update residual.
-_RESIDUAL_FLOOR = 1e-12
+
+def residual_floor(dtype: torch.dtype) -> float:
+    """Mass below which an updated residual is rounding noise (then the pre-update residual is kept).
+
+    ``r - L`` clamped at 0 has an absolute rounding error of about ``eps * (r_v + L_v)`` per entry,
+    so at most ``~2 eps`` in total whatever the vocabulary size (both laws sum to 1). A genuine
+    residual of a rejected child carries at least the rejection's probability; 16 eps lies well
+    above the noise and far below any mass a rejection can leave: float32 1.9e-6, float64 3.6e-15.
+    """
+    return 16 * torch.finfo(dtype).eps
 
 
 @dataclass(frozen=True)
@@ -91,41 +99,134 @@ def _verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     return Verdict(tree.path_to(last), int(argmax[last]), len(tree.children[last]) == 0)
 
 
-def _child_law(tree: DraftTree, child: int, earlier: list[int], like: torch.Tensor) -> torch.Tensor:
-    """``[V]`` law of ``child``'s token given its earlier siblings (see :class:`Law`)."""
-    law = int(tree.laws[child])
-    if law == Law.POINT:
-        return torch.nn.functional.one_hot(tree.tokens[child], like.shape[-1]).to(like)
-    parent = int(tree.parents[child])
-    q = tree.draft_probs[int(tree.draft_row[parent])].to(like)
-    if law == Law.WOR and earlier:
-        q = q.clone()
-        q[tree.tokens[earlier]] = 0
-        q = q / q.sum()
-    return q
+@dataclass(frozen=True, eq=False)
+class TreeBatch:
+    """``B`` draft trees of one shape (same parents, laws and draft rows), different tokens and
+    draft laws: what :func:`verify_batch` checks in one vectorised walk. The engine verifies one
+    tree (``B = 1``, :meth:`of`); the exactness tests verify 10^5 at once through the same code.
+
+    Attributes:
+        shape: a tree with the shared topology (its own tokens and draft laws are not read).
+        tokens: ``[B, n]`` token ids per tree.
+        draft_probs: ``[B, m, V]`` draft laws per tree (row ``shape.draft_row[u]`` for parent u),
+            or ``None`` when every child is a point mass.
+    """
+
+    shape: DraftTree
+    tokens: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    @staticmethod
+    def of(tree: DraftTree) -> "TreeBatch":
+        return TreeBatch(tree, tree.tokens[None], None if tree.draft_probs is None else tree.draft_probs[None])
+
+
+def _child_laws(batch: TreeBatch, rows: torch.Tensor, parent: torch.Tensor, child: torch.Tensor,
+                earlier: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[b, V]`` law each ``child`` token was drawn from given its earlier siblings (see :class:`Law`).
+
+    Args:
+        batch: the trees, on ``like``'s device.
+        rows: ``[b]`` which trees of the batch; ``parent`` / ``child``: ``[b]`` node indices.
+        earlier: ``[b, V]`` bool, the tokens of the earlier siblings (excluded from a WOR draw).
+        like: ``[b, V]`` tensor whose dtype and device the laws take.
+    """
+    shape = batch.shape
+    laws = shape.laws.to(like.device)[child]  # [b]
+    point = torch.nn.functional.one_hot(batch.tokens[rows, child], like.shape[-1]).to(like)
+    if batch.draft_probs is None:
+        return point
+    row = shape.draft_row.to(like.device)[parent]  # [b], -1 where the parent has only point children
+    q = batch.draft_probs[rows, row.clamp_min(0)].to(like)  # [b, V]
+    wor = (laws == Law.WOR)[:, None]
+    q = torch.where(wor & earlier, torch.zeros((), dtype=like.dtype, device=like.device), q)
+    q = torch.where(wor, q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(like.dtype).tiny), q)
+    return torch.where((laws == Law.POINT)[:, None], point, q)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``[b]`` one token per row of ``probs`` ``[b, V]``."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def verify_batch(batch: TreeBatch, probs: torch.Tensor, generator: torch.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling of ``B`` trees of one shape at once (see the module's rule).
+
+    Each tree walks from the root: at node u the children are tested in drafted order with one
+    fresh coin each (all trees still testing draw their coins together); the first accepted
+    child becomes u; when all are rejected, the recovered token is drawn from the residual; at a
+    childless node the bonus token is drawn from the full ``p_u``. Trees are independent: the law
+    of each tree's result is that of verifying it alone.
+
+    Args:
+        batch: the trees (``n`` nodes each).
+        probs: ``[B, n, V]`` target laws after logits processing, row i on the path root..i.
+        generator: every coin and draw.
+
+    Returns:
+        ``last [B]`` (deepest accepted node; the path is ``shape.path_to(last)``), ``next_token
+        [B]`` and ``bonus [B]`` (bool).
+    """
+    shape, dev = batch.shape, probs.device
+    B, n, V = probs.shape
+    batch = TreeBatch(shape, batch.tokens.to(dev),
+                      None if batch.draft_probs is None else batch.draft_probs.to(dev))
+    kids = shape.children
+    width = max(1, max(len(c) for c in kids))
+    table = torch.full((n, width), -1, dtype=torch.long)
+    for u, c in enumerate(kids):
+        table[u, :len(c)] = torch.tensor(c, dtype=torch.long)
+    table = table.to(dev)
+    floor = residual_floor(probs.dtype)
+    at = torch.zeros(B, dtype=torch.long, device=dev)
+    next_token = torch.zeros(B, dtype=torch.long, device=dev)
+    bonus = torch.zeros(B, dtype=torch.bool, device=dev)
+    walking = torch.arange(B, device=dev)
+    while walking.numel():
+        node = at[walking]
+        first = table[node, 0]
+        leaf = first < 0
+        if bool(leaf.any()):  # no children: the bonus token, from the full p
+            ends = walking[leaf]
+            next_token[ends] = _draw(probs[ends, at[ends]], generator)
+            bonus[ends] = True
+            walking, node = walking[~leaf], node[~leaf]
+            if not walking.numel():
+                break
+        b = walking.numel()
+        ar = torch.arange(b, device=dev)
+        residual = probs[walking, node]  # [b, V]
+        earlier = torch.zeros(b, V, dtype=torch.bool, device=dev)
+        accepted = torch.full((b,), -1, dtype=torch.long, device=dev)
+        for i in range(width):
+            child = table[node, i]
+            testing = (child >= 0) & (accepted < 0)
+            if not bool(testing.any()):
+                break
+            child = child.clamp_min(0)
+            x = batch.tokens[walking, child]
+            law = _child_laws(batch, walking, node, child, earlier, residual)
+            coin = torch.rand(b, generator=generator, device=generator.device).to(residual)
+            ok = testing & (coin * law[ar, x] < residual[ar, x])
+            accepted = torch.where(ok, child, accepted)
+            rejected = testing & ~ok
+            updated = (residual - law).clamp_min(0)
+            mass = updated.sum(-1, keepdim=True)
+            keep = rejected[:, None] & (mass > floor)  # else rounding ate it: the pre-update residual
+            residual = torch.where(keep, updated / mass.clamp_min(floor), residual)
+            earlier[ar, x] = earlier[ar, x] | testing
+        moved = accepted >= 0
+        at[walking[moved]] = accepted[moved]
+        stop = ~moved
+        if bool(stop.any()):  # every child rejected: the recovered token, from the residual
+            ends = walking[stop]
+            next_token[ends] = _draw(residual[stop], generator)
+        walking = walking[moved]
+    return at, next_token, bonus
 
 
 def _verify_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> Verdict:
-    """Recursive rejection sampling down the tree; one fresh coin per test, one per final draw."""
-    node, path = 0, [0]
-    while True:
-        kids = tree.children[node]
-        if not kids:
-            return Verdict(path, sample(probs[node], generator), True)
-        residual = probs[node]
-        accepted = None
-        for i, child in enumerate(kids):
-            law = _child_law(tree, child, list(kids[:i]), residual)
-            x = int(tree.tokens[child])
-            coin = float(torch.rand((), generator=generator, device=generator.device))
-            if coin * float(law[x]) < float(residual[x]):
-                accepted = child
-                break
-            updated = (residual - law).clamp_min(0)
-            mass = updated.sum()
-            if float(mass) > _RESIDUAL_FLOOR:  # else rounding ate it: keep the pre-update residual
-                residual = updated / mass
-        if accepted is None:
-            return Verdict(path, sample(residual, generator), False)
-        node = accepted
-        path.append(node)
+    """One tree through :func:`verify_batch` (``B = 1``)."""
+    last, token, bonus = verify_batch(TreeBatch.of(tree), probs[None], generator)
+    return Verdict(tree.path_to(int(last[0])), int(token[0]), bool(bonus[0]))

@@ -1,11 +1,24 @@
 """Distribution equality at T > 0 (shared/docs/EXACTNESS.md).
 
-The law of the first three generated tokens is enumerated exactly from a table-driven target with a
-6-token vocabulary, then compared with many speculative samples drawn through the real decode loop
-with deliberately poor drafts (point-mass, i.i.d. and without-replacement children) so that
-acceptances, recoveries and bonus tokens all occur. Pearson chi-square at a 1e-6 false-failure
-rate; cells with expected count < 5 are pooled; any sample outside the support fails. Negative
-controls run the same harness with lossy rules and must fail.
+Two harnesses over a table-driven target with a 6-token vocabulary (logits depend on the last two
+tokens), whose law of the first three generated tokens is enumerated exactly:
+
+* **Batched exact-table harness** (most tests): the target's law for every two-token prefix is
+  computed once; N = 2e5 generations (1e6 for one case) walk in lockstep, each round drafting one tree per walker
+  (vectorised stub drafts: point-mass, i.i.d., without-replacement and mixed children, all poor so
+  that acceptances, recoveries and bonus tokens all occur) and verifying all of them with the
+  engine's own verifier (:func:`selfspec.verify.verify_batch`, the code ``verify_tree`` runs with
+  B = 1). Every child law is crossed with temperature, top-k and top-p. Seconds per case.
+* **Decode-loop harness**: fewer samples through the real engine loop (``decode``: tree
+  building, the target protocol, commits, adaptive policy), for what the batched harness skips.
+
+Test: Pearson chi-square at a 1e-6 false-failure rate; cells with expected count < 5 are pooled;
+any sample outside the support fails. Power (``detectable_tv``): with 130-215 pooled cells at
+alpha 1e-6, a law whose total-variation distance from the target's is at least 1.4% (N = 2e5),
+0.62% (N = 1e6) or 4.4% (N = 2e4, the decode-loop and model harnesses) fails with probability
+>= 0.9, whatever the shape of the bias (a chi-square divergence D >= 4 TV^2); biases that
+concentrate on a few cells are caught far smaller. Negative controls run the same harnesses with
+lossy rules and must fail.
 """
 
 from __future__ import annotations
@@ -18,11 +31,13 @@ from scipy.stats import chi2
 
 import selfspec.verify as verify_mod
 from selfspec.engine import decode
-from selfspec.sampling import SamplingConfig, target_probs
-from selfspec.tree import Law
+from selfspec.sampling import SamplingConfig, sample, target_probs
+from selfspec.tree import DraftTree, Law
+from selfspec.verify import TreeBatch, verify_batch
 from stubs import ScriptedDrafter, table_target
 
 VOCAB, PROMPT, NEW, SAMPLES = 6, [1, 2], 3, 20000
+BATCH_SAMPLES = 200_000
 
 
 def exact_law(cfg: SamplingConfig, prompt: list[int] = PROMPT) -> dict[tuple[int, ...], float]:
@@ -74,10 +89,120 @@ def chi_square_ok(law, counts, n: int = SAMPLES, alpha: float = 1e-6) -> tuple[b
     return stat <= limit, f"chi2={stat:.1f} dof={dof} limit={limit:.1f}"
 
 
+def detectable_tv(n: int, dof: int, alpha: float = 1e-6, power: float = 0.9) -> float:
+    """Smallest total-variation bias the chi-square test catches with ``power`` (any bias shape:
+    the chi-square divergence of a law at TV distance e is at least 4 e^2)."""
+    from scipy.optimize import brentq
+    from scipy.stats import ncx2
+
+    limit = chi2.ppf(1 - alpha, dof)
+    lam = brentq(lambda x: ncx2.sf(limit, dof, x) - power, 1e-3, 1e6)
+    return (lam / n) ** 0.5 / 2
+
+
+# ---------------------------------------------------------------- the batched exact-table harness
+class BatchedScript:
+    """Vectorised :class:`stubs.ScriptedDrafter`: depth-2 trees of one shape for B walkers.
+
+    Root children: ``point`` point-mass tokens (a fixed table of the root token), then ``sampled``
+    tokens drawn from a draft law q (a fixed random softmax of the root token, unrelated to the
+    target) i.i.d. or without replacement (excluding the point siblings); under the first root
+    child, the same again. Returns the shared shape, ``tokens [B, n]`` and ``draft_probs [B, 2, V]``.
+    """
+
+    def __init__(self, point: int, sampled: int, law: Law = Law.WOR, seed: int = 1):
+        g = torch.Generator().manual_seed(seed)
+        self.q_table = (torch.randn(VOCAB, VOCAB, generator=g, dtype=torch.float64) * 1.5).softmax(-1)
+        self.point_table = torch.randint(0, VOCAB, (VOCAB, max(point, 1)), generator=g)
+        self.point, self.sampled, self.law = point, sampled, law
+        per = point + sampled
+        parents = [-1] + [0] * per + [1] * per
+        laws = [Law.POINT] + ([Law.POINT] * point + [law] * sampled) * 2
+        row = [-1] * len(parents)
+        if sampled:
+            row[0], row[1] = 0, 1
+        self.shape = DraftTree(torch.zeros(len(parents), dtype=torch.long), torch.tensor(parents),
+                               torch.tensor([int(x) for x in laws]),
+                               torch.zeros(2, VOCAB, dtype=torch.float64) if sampled else None,
+                               torch.tensor(row))
+
+    def _children(self, last: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        kids = [self.point_table[last, :self.point]]
+        q = self.q_table[last]  # [b, V]
+        if self.sampled:
+            if self.law == Law.IID:
+                kids.append(torch.multinomial(q, self.sampled, replacement=True, generator=gen))
+            else:
+                base = q.clone()
+                if self.point:
+                    base.scatter_(1, kids[0], 0.0)
+                kids.append(torch.multinomial(base / base.sum(-1, keepdim=True), self.sampled, replacement=False,
+                                              generator=gen))
+        return torch.cat(kids, dim=1), q
+
+    def propose(self, root: torch.Tensor, gen: torch.Generator) -> TreeBatch:
+        first, q0 = self._children(root, gen)
+        second, q1 = self._children(first[:, 0], gen)
+        tokens = torch.cat([root[:, None], first, second], dim=1)
+        return TreeBatch(self.shape, tokens, torch.stack([q0, q1], dim=1) if self.sampled else None)
+
+
+class RootOnly:
+    """Plain decoding: one-node trees (the next token is the bonus draw from the full p)."""
+
+    shape = DraftTree(torch.zeros(1, dtype=torch.long), torch.tensor([-1]), torch.tensor([0]))
+
+    def propose(self, root: torch.Tensor, gen: torch.Generator) -> TreeBatch:
+        return TreeBatch(self.shape, root[:, None])
+
+
+def batched_counts(cfg: SamplingConfig, drafter, n: int = BATCH_SAMPLES, seed: int = 0
+                   ) -> dict[tuple[int, ...], int]:
+    """Counts of the first NEW tokens of n generations, all walking in lockstep."""
+    table = target_probs(table_target(VOCAB).table, cfg)  # [V, V, V]: the law after every 2-token prefix
+    gen = torch.Generator().manual_seed(seed)
+    seq = torch.zeros(n, 2 + NEW + 3, dtype=torch.long)
+    seq[:, :2] = torch.tensor(PROMPT[-2:])
+    length = torch.full((n,), 2, dtype=torch.long)
+    active = torch.arange(n)
+    while active.numel():
+        prev, root = seq[active, length[active] - 2], seq[active, length[active] - 1]
+        batch = drafter.propose(root, gen)
+        shape, tokens = batch.shape, batch.tokens
+        parents = shape.parents
+        before = torch.empty_like(tokens)  # the token before each node (its context is (before, node))
+        before[:, 0] = prev
+        for i in range(1, shape.num_nodes):
+            before[:, i] = tokens[:, int(parents[i])]
+        probs = table[before, tokens]  # [b, n, V]
+        last, nxt, _ = verify_batch(batch, probs, gen)
+        depth = shape.depths[last]
+        depths = shape.depths
+        chain, node = [last], last
+        for _ in range(shape.depth):  # last's ancestors, up to the root
+            node = torch.where(depths[node] > 0, parents[node.clamp_min(1)], node)
+            chain.append(node)
+        for d in range(1, shape.depth + 1):  # the accepted token at depth d
+            at_d = last.clone()
+            for c in chain:
+                at_d = torch.where(depths[c] == d, c, at_d)
+            has = depth >= d
+            seq[active[has], length[active[has]] + d - 1] = tokens[has, at_d[has]]
+        seq[active, length[active] + depth] = nxt
+        length[active] += depth + 1
+        active = active[length[active] < 2 + NEW]
+    code = torch.zeros(n, dtype=torch.long)
+    for j in range(NEW):
+        code = code * VOCAB + seq[:, 2 + j]
+    counts = torch.bincount(code, minlength=VOCAB ** NEW).tolist()
+    return {seq_: c for seq_, c in zip(itertools.product(range(VOCAB), repeat=NEW), counts) if c}
+
+
 SETTINGS = {
     "T1": SamplingConfig(1.0),
     "T0.7-topk3": SamplingConfig(0.7, top_k=3),
     "T1.3-topp0.8": SamplingConfig(1.3, top_p=0.8),
+    "T0.5-topk4-topp0.9": SamplingConfig(0.5, top_k=4, top_p=0.9),
 }
 DRAFTS = {
     "point": dict(point=2, sampled=0),
@@ -85,28 +210,86 @@ DRAFTS = {
     "wor": dict(point=0, sampled=3, law=Law.WOR),
     "mixed": dict(point=1, sampled=2, law=Law.WOR),
 }
-CASES = [("T1", "point"), ("T0.7-topk3", "iid"), ("T1.3-topp0.8", "wor"), ("T0.7-topk3", "mixed")]
+BATCHED = {name: (lambda kw=kw: BatchedScript(**kw)) for name, kw in DRAFTS.items()} | {"plain": RootOnly}
 
 
-@pytest.mark.parametrize("setting,draft", CASES)
-def test_speculative_law_equals_target_law(setting, draft):
+@pytest.mark.parametrize("draft", list(BATCHED))
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_batched_law_equals_target_law(setting, draft):
+    """Every child law (and plain decoding) crossed with T / top-k / top-p, N = 2e5."""
     cfg = SETTINGS[setting]
-    ok, msg = chi_square_ok(exact_law(cfg), draw(cfg, ScriptedDrafter(VOCAB, **DRAFTS[draft])))
+    law = exact_law(cfg)
+    ok, msg = chi_square_ok(law, batched_counts(cfg, BATCHED[draft]()), n=BATCH_SAMPLES)
     assert ok, msg
 
 
-def test_plain_decoding_law_equals_target_law():
+def test_mixed_children_at_one_million_samples():
     cfg = SETTINGS["T1.3-topp0.8"]
-    ok, msg = chi_square_ok(exact_law(cfg), draw(cfg, None, n=SAMPLES // 2), n=SAMPLES // 2)
+    ok, msg = chi_square_ok(exact_law(cfg), batched_counts(cfg, BATCHED["mixed"](), n=1_000_000), n=1_000_000)
     assert ok, msg
 
 
-def _wor_treated_as_iid(tree, child, earlier, like):
+def test_the_batched_harness_detects_a_one_percent_bias():
+    """Its stated power (module docstring), and a law 1% off in total variation (spread over all
+    cells, the hardest shape) is caught at N = 1e6."""
+    assert detectable_tv(BATCH_SAMPLES, 215) < 0.014
+    assert detectable_tv(1_000_000, 215) < 0.0063
+    assert detectable_tv(SAMPLES, 215) < 0.045
+    cfg = SETTINGS["T1"]
+    law = exact_law(cfg)
+    g = torch.Generator().manual_seed(5)
+    uniform = 1.0 / len(law)
+    eps = 0.01 / (0.5 * sum(abs(v - uniform) for v in law.values()))  # mixing in eps of uniform: TV = 1%
+    shifted = {k: (1 - eps) * v + eps * uniform for k, v in law.items()}
+    assert abs(0.5 * sum(abs(shifted[k] - law[k]) for k in law) - 0.01) < 1e-9
+    total = 1.0
+    cells = list(shifted)
+    draws = torch.multinomial(torch.tensor([shifted[c] / total for c in cells]), 1_000_000, replacement=True,
+                              generator=g)
+    counts = {}
+    for i, c in zip(*torch.unique(draws, return_counts=True)):
+        counts[cells[int(i)]] = int(c)
+    ok, msg = chi_square_ok(law, counts, n=1_000_000)
+    assert not ok, f"a biased law passed at N = 1e6 ({msg})"
+
+
+def _wor_as_iid(batch, rows, parent, child, earlier, like):
     """Pitfall 1: reuse q after a rejection for children drawn without replacement."""
-    parent = int(tree.parents[child])
-    if int(tree.laws[child]) == Law.POINT:
-        return torch.nn.functional.one_hot(tree.tokens[child], like.shape[-1]).to(like)
-    return tree.draft_probs[int(tree.draft_row[parent])].to(like)
+    return _exact_child_laws(batch, rows, parent, child, torch.zeros_like(earlier), like)
+
+
+def _sampled_as_point(batch, rows, parent, child, earlier, like):
+    """Pitfall: a sampled child tested as if it were a point mass (accept iff coin < r(x))."""
+    point = torch.nn.functional.one_hot(batch.tokens[rows, child], like.shape[-1]).to(like)
+    return point
+
+
+_exact_child_laws = verify_mod._child_laws
+
+
+@pytest.mark.parametrize("lossy", ["wor_as_iid", "sampled_as_point", "recover_from_p"])
+def test_batched_negative_controls_fail(monkeypatch, lossy):
+    """The same harness, N and threshold with a lossy rule: each must fail."""
+    cfg = SETTINGS["T1"]
+    if lossy == "wor_as_iid":
+        monkeypatch.setattr(verify_mod, "_child_laws", _wor_as_iid)
+        drafter = BatchedScript(point=0, sampled=3, law=Law.WOR)
+    elif lossy == "sampled_as_point":
+        monkeypatch.setattr(verify_mod, "_child_laws", _sampled_as_point)
+        drafter = BatchedScript(point=0, sampled=2, law=Law.IID)
+    else:  # Pitfall 3: the recovered token drawn from p instead of the residual
+        monkeypatch.setattr(verify_mod, "residual_floor", lambda dtype: float("inf"))
+        drafter = BatchedScript(point=2, sampled=0)
+    ok, msg = chi_square_ok(exact_law(cfg), batched_counts(cfg, drafter), n=BATCH_SAMPLES)
+    assert not ok, f"the lossy rule {lossy} passed the exactness test ({msg}): the test is vacuous"
+
+
+# ---------------------------------------------------------------- the decode-loop harness
+def test_decode_loop_law_equals_target_law():
+    """Mixed children through the engine's own loop (tree building, target protocol, commits)."""
+    cfg = SETTINGS["T1.3-topp0.8"]
+    ok, msg = chi_square_ok(exact_law(cfg), draw(cfg, ScriptedDrafter(VOCAB, **DRAFTS["mixed"])))
+    assert ok, msg
 
 
 def _stale_bonus(tree, probs, generator):
@@ -114,21 +297,40 @@ def _stale_bonus(tree, probs, generator):
     verdict = _exact_sampled(tree, probs, generator)
     if verdict.bonus and len(verdict.path) > 1:
         parent = verdict.path[-2]
-        return verify_mod.Verdict(verdict.path, verify_mod.sample(probs[parent], generator), True)
+        return verify_mod.Verdict(verdict.path, sample(probs[parent], generator), True)
     return verdict
 
 
 _exact_sampled = verify_mod._verify_sampled
 
 
-@pytest.mark.parametrize("lossy", ["wor_as_iid", "stale_bonus"])
-def test_negative_controls_fail(monkeypatch, lossy):
-    cfg = SETTINGS["T1"]
-    if lossy == "wor_as_iid":
-        monkeypatch.setattr(verify_mod, "_child_law", _wor_treated_as_iid)
-        drafter = ScriptedDrafter(VOCAB, point=0, sampled=3, law=Law.WOR)
-    else:
+@pytest.mark.parametrize("lossy", [False, True])
+def test_union_with_the_adaptive_policy_keeps_the_law(lossy, monkeypatch):
+    """Two point-mass drafters merged by a union, with the adaptive policy on (steps that skip
+    drafting, capped depths): the decode-loop harness at T = 0.7, top-k 3. With a stale bonus
+    token (``lossy``) the same harness must fail."""
+    from selfspec.adaptive import AdaptiveConfig, AdaptivePolicy
+    from selfspec.drafters.union import UnionDrafter
+
+    if lossy:
         monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
-        drafter = ScriptedDrafter(VOCAB, point=2, sampled=0)
-    ok, msg = chi_square_ok(exact_law(cfg), draw(cfg, drafter))
-    assert not ok, f"the lossy rule {lossy} passed the exactness test ({msg}): the test is vacuous"
+    cfg, gen, target, counts = SETTINGS["T0.7-topk3"], torch.Generator().manual_seed(0), table_target(VOCAB), {}
+    ticks = itertools.count()
+    union = UnionDrafter([ScriptedDrafter(VOCAB, point=2, sampled=0, seed=1),
+                          ScriptedDrafter(VOCAB, point=1, sampled=0, seed=2)], clock=lambda: next(ticks) * 1e-3)
+    policy = AdaptivePolicy(AdaptiveConfig())
+    ids = torch.tensor(PROMPT)
+    for _ in range(SAMPLES):
+        out = decode(target, ids, union, cfg, gen, NEW, set(), 100, policy=policy)
+        key = tuple(out.sequences[0, len(PROMPT):].tolist())
+        counts[key] = counts.get(key, 0) + 1
+    assert min(union.arm_steps) > 0  # plain, each member alone and the merge all ran
+    ok, msg = chi_square_ok(exact_law(cfg), counts)
+    assert ok != lossy, msg
+
+
+def test_decode_loop_negative_control_fails(monkeypatch):
+    cfg = SETTINGS["T1"]
+    monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
+    ok, msg = chi_square_ok(exact_law(cfg), draw(cfg, ScriptedDrafter(VOCAB, point=2, sampled=0)))
+    assert not ok, f"the stale-bonus rule passed the exactness test ({msg}): the test is vacuous"

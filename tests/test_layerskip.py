@@ -14,7 +14,8 @@ from selfspec.drafters import DraftContext, build_drafter, load_drafter, save_dr
 from selfspec.lm_head import lm_logits
 from selfspec.sampling import SamplingConfig, target_probs
 from selfspec.target import TreeTarget
-from test_distribution import chi_square_ok
+import selfspec.verify as verify_mod
+from test_distribution import _wor_as_iid, chi_square_ok
 from tiny_models import FAMILIES, tiny_model
 
 PROMPT = torch.tensor([[3, 9, 27, 3, 9, 27, 3, 9, 5, 11]])
@@ -198,12 +199,16 @@ def _sampled_counts(model, cfg, drafter):
     return counts
 
 
-def test_sampled_children_keep_the_target_law():
+@pytest.mark.parametrize("lossy", [False, True])
+def test_sampled_children_keep_the_target_law(lossy, monkeypatch):
     """Children drawn without replacement from the early exit's q (T = 0.9, top-k 4), recorded
-    with their law: the first three tokens follow the target's exact law (chi-square, 1e-6)."""
+    with their law: the first three tokens follow the target's exact law (chi-square, 1e-6). The
+    same harness testing them as if drawn i.i.d. (``lossy``, pitfall 1) must fail."""
+    if lossy:
+        monkeypatch.setattr(verify_mod, "_child_laws", _wor_as_iid)
     model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
     ok, msg = chi_square_ok(_exact_law(model, cfg), _sampled_counts(model, cfg, _sampling_drafter(model)), n=SAMPLES)
-    assert ok, msg
+    assert ok != lossy, msg
 
 
 def test_own_cache_and_shared_cache_sample_the_same_tokens():

@@ -15,7 +15,8 @@ from selfspec.drafters import build_drafter, load_drafter, save_drafter
 from selfspec.layer_slice import LayerSlice
 from selfspec.lm_head import lm_logits
 from selfspec.sampling import SamplingConfig
-from test_distribution import chi_square_ok
+import selfspec.verify as verify_mod
+from test_distribution import _stale_bonus, chi_square_ok
 from test_layerskip import DIST_PROMPT, PROMPT, SAMPLES, _exact_law, _peaked_model, _sampled_counts
 from tiny_models import FAMILIES, tiny_model
 
@@ -63,15 +64,18 @@ def test_untrained_adapters_are_the_plain_early_exit():
     torch.testing.assert_close(_draft_logits(lora, PROMPT), _draft_logits(plain, PROMPT), rtol=0, atol=0)
 
 
-def test_sampled_children_keep_the_target_law():
+@pytest.mark.parametrize("lossy", [False, True])
+def test_sampled_children_keep_the_target_law(lossy, monkeypatch):
     """Children drawn without replacement from the LoRA exit's q (T = 0.9, top-k 4): the first
-    three tokens follow the target's exact law (chi-square at 1e-6, the layer-skip harness)."""
+    three tokens follow the target's exact law (chi-square at 1e-6, the layer-skip harness). With a
+    stale bonus token (``lossy``) the same harness must fail."""
+    if lossy:
+        monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
     model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
     drafter = _randomised(build_drafter(model, "layerskip_lora", exit_layer=1, rank=2, min_score=0.0, width=3,
                                         branch=2, max_depth=2, max_nodes=6), scale=2.0)
-    assert DIST_PROMPT
     ok, msg = chi_square_ok(_exact_law(model, cfg), _sampled_counts(model, cfg, drafter), n=SAMPLES)
-    assert ok, msg
+    assert ok != lossy, msg
 
 
 def test_peft_folder_loads_with_peft_and_checkpoints_round_trip(tmp_path):

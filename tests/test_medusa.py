@@ -12,7 +12,8 @@ from selfspec.checkpoint import CheckpointError
 from selfspec.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from selfspec.sampling import SamplingConfig
 from stubs import FakeLM
-from test_distribution import SETTINGS, chi_square_ok, draw_with, exact_law
+import selfspec.verify as verify_mod
+from test_distribution import SETTINGS, _stale_bonus, chi_square_ok, draw_with, exact_law
 from tiny_models import FAMILIES, tiny_model
 
 VOCAB = 64
@@ -47,14 +48,18 @@ def test_heads_that_copy_the_target_are_accepted():
     assert torch.equal(out.sequences, reference)
 
 
-@pytest.mark.parametrize("setting", ["T1", "T0.7-topk3"])
-def test_random_heads_keep_the_target_law(setting):
+@pytest.mark.parametrize("setting,lossy", [("T1", False), ("T0.7-topk3", False), ("T1", True)])
+def test_random_heads_keep_the_target_law(setting, lossy, monkeypatch):
+    """The heads' point-mass trees through the decode-loop harness; with a stale bonus token
+    (drawn from the parent's law, ``lossy``) the same harness must fail."""
     cfg = SETTINGS[setting]
+    if lossy:
+        monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
     lm = FakeLM(vocab=6, hidden=8)
     heads = MedusaHeads(MedusaConfig(num_heads=2, tree=[[0], [1], [2], [0, 0], [1, 0]]), 8).double()
     drafter = random_heads(MedusaDrafter(lm, heads), scale=1.0)
     ok, msg = chi_square_ok(exact_law(cfg, prompt=[1, 2, 3]), draw_with(cfg, drafter, hidden_size=8, prompt=[1, 2, 3]))
-    assert ok, msg
+    assert ok != lossy, msg
 
 
 def test_checkpoint_round_trip_gives_identical_proposals(tmp_path):

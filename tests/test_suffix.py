@@ -115,14 +115,13 @@ def test_past_outputs_are_remembered_within_a_token_budget():
     assert again.stats.mean_accepted_length > cold.stats.mean_accepted_length
 
 
-def _point_always_accepted(tree, child, earlier, like):
+def _point_always_accepted(batch, rows, parent, child, earlier, like):
     """Lossy: a point-mass draft treated as if drawn from the target's own law (never rejected)."""
-    if int(tree.laws[child]) == 0:
-        return like
-    return _exact_child_law(tree, child, earlier, like)
+    point = (batch.shape.laws.to(like.device)[child] == 0)[:, None]
+    return torch.where(point, like, _exact_child_laws(batch, rows, parent, child, earlier, like))
 
 
-_exact_child_law = verify_mod._child_law
+_exact_child_laws = verify_mod._child_laws
 
 
 @pytest.mark.parametrize("lossy", [False, True])
@@ -132,7 +131,7 @@ def test_law_at_temperature_with_history_and_negative_control(monkeypatch, lossy
     harness with point-mass drafts never rejected must fail."""
     cfg, prompt = SamplingConfig(1.0, top_k=4), [1, 2, 1, 2, 1]
     if lossy:
-        monkeypatch.setattr(verify_mod, "_child_law", _point_always_accepted)
+        monkeypatch.setattr(verify_mod, "_child_laws", _point_always_accepted)
     drafter = SuffixDrafter(SuffixConfig(max_depth=6, min_prob=0.05, max_cached_tokens=3000))
     n = 20000
     ok, msg = chi_square_ok(exact_law(cfg, prompt), draw_with(cfg, drafter, n=n, prompt=prompt), n=n)

@@ -112,6 +112,53 @@ def test_all_zero_residual_falls_back_instead_of_emitting_zero_probability():
         assert verdict.path[:2] == [0, 1] and verdict.next_token == 2
 
 
+def _forced_rejection(monkeypatch, tree, probs):
+    """Verify ``tree`` with every coin just below 1 (so a child whose law is not below the residual
+    at its token is rejected); returns the law the final token was drawn from."""
+    import selfspec.verify as verify_mod
+
+    drawn = []
+    real_draw = verify_mod._draw
+    monkeypatch.setattr(torch, "rand", lambda n, **kw: torch.full((n,), 1.0 - 2.0 ** -53, dtype=torch.float64))
+    monkeypatch.setattr(verify_mod, "_draw", lambda p, g: (drawn.append(p.clone()), real_draw(p, g))[1])
+    verdict = verify_mod._verify_sampled(tree, probs, torch.Generator().manual_seed(0))
+    monkeypatch.undo()
+    return verdict, drawn[-1][0]
+
+
+def test_residual_fallback_is_reached_when_rounding_leaves_no_mass(monkeypatch):
+    """p puts 1 - 1e-15 on token 2, a point child drafts 2 and is rejected (forced coin): the
+    updated residual (p minus the point mass) holds only 1e-15 of rounding-level mass, so the
+    recovered token is drawn from the pre-update residual, not from renormalised noise."""
+    p = torch.tensor([[4e-16, 3e-16, 1 - 1e-15, 3e-16]], dtype=torch.float64).expand(2, -1)
+    b = TreeBuilder(0)
+    b.add(0, 2, Law.POINT)
+    verdict, law = _forced_rejection(monkeypatch, b.build(), p)
+    assert verdict.path == [0]  # rejected
+    torch.testing.assert_close(law, p[0], rtol=0, atol=0)  # the fallback: the residual before the update
+
+
+def test_residual_floor_follows_the_dtype(monkeypatch):
+    """In float32, a draft law equal to the target's up to rounding leaves ~1e-7 of noise after a
+    rejection: above the old fixed floor (1e-12), below float32's (16 eps = 1.9e-6), so the noise is
+    not renormalised into a law. In float64 the floor is 3.6e-15."""
+    from selfspec.verify import residual_floor
+
+    assert residual_floor(torch.float32) == pytest.approx(1.9e-6, rel=0.01)
+    assert residual_floor(torch.float64) == pytest.approx(3.55e-15, rel=0.01)
+    logits = torch.linspace(0, 3, 50, dtype=torch.float32)
+    p = logits.softmax(-1)
+    q = (logits * (1 + 1e-7)).softmax(-1)  # the same law, rounded differently
+    noise = float((p - q).clamp_min(0).sum())
+    assert 1e-12 < noise < residual_floor(torch.float32)
+    b = TreeBuilder(0)
+    b.set_draft_probs(0, q)
+    b.add(0, int(q.argmax()), Law.IID)
+    verdict, law = _forced_rejection(monkeypatch, b.build(), p[None].expand(2, -1))
+    assert verdict.path == [0]
+    torch.testing.assert_close(law, p, rtol=0, atol=0)
+
+
 def test_top_p_and_top_k_filter_like_plain_sampling():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64))
     p = target_probs(logits, SamplingConfig(1.0, top_p=0.75))
