@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import selfspec  # noqa: E402
 from selfspec import benchmark  # noqa: E402
-from selfspec.workloads import load_questions, take_per_category  # noqa: E402
+from selfspec.measurement.workloads import load_questions, take_per_category  # noqa: E402
 
 
 def distilled_ids(data_dir: Path) -> set[str]:

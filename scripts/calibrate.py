@@ -6,7 +6,7 @@ Measures the target's verify cost for n tree nodes here, and the drafter's accep
 calibration prompts (GSM8K train + HumanEval from ../shared/data, never the benchmark sets):
 
 * Medusa heads: acceptance per depth and rank on the target's own greedy text; the tree that
-  maximises expected tokens/s = MAT / (verify(n) + draft) is chosen (``selfspec.calibration``);
+  maximises expected tokens/s = MAT / (verify(n) + draft) is chosen (``selfspec.measurement.calibration``);
 * layer-skip: the node budget (``max_nodes``) with the best measured speedup over plain decoding;
 * EAGLE-3: depth, frontier width and node budget (chains and trees) with the best measured speedup,
   on held-out chat prompts (never the head's training prompts nor a benchmark set).
@@ -31,11 +31,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import selfspec  # noqa: E402
-from selfspec.calibration import choose_tree, heads_accuracy, heads_draft_cost, measured_search, verify_costs  # noqa: E402
+from selfspec.measurement.calibration import choose_tree, heads_accuracy, heads_draft_cost, measured_search, verify_costs  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.checkpoint import CONFIG_FILE, atomic_write_text, read_checkpoint  # noqa: E402
 from selfspec.drafters import load_drafter  # noqa: E402
-from selfspec.workloads import calibration_prompts, heldout_chat_prompts  # noqa: E402
+from selfspec.measurement.workloads import calibration_prompts, heldout_chat_prompts  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 #: options a calibration may change (tree shape, never the weights' shape)

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.drafters import drafter_from_spec, recommended_drafter, shipped_checkpoint  # noqa: E402
-from selfspec.measure import compare, divergence  # noqa: E402
+from selfspec.measurement.measure import compare, divergence  # noqa: E402
 
 DEFAULT_PROMPT = (
     "Here is a tool call: {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", "

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import selfspec  # noqa: E402
-from selfspec.benchmark import provenance  # noqa: E402
+from selfspec.measurement.benchmark import provenance  # noqa: E402
 
 
 def _tiny_llama(device, vocab=256, layers=6, hidden=128):

@@ -1,11 +1,14 @@
-"""Write a drafter checkpoint's model card (README.md) from what the checkpoint and result files record.
+"""Write drafter checkpoints' model cards (README.md) from what the checkpoints and result files record.
 
+    python scripts/model_card.py --all            # every card listed in checkpoints/cards.json
+    python scripts/model_card.py --all --check    # exit 1 when a committed card is stale (a test runs this)
     python scripts/model_card.py checkpoints/smollm2-135m-instruct-eagle3 \
-        --results docs/results/eagle3_mtbench_greedy.json docs/results/eagle3_bfcl_greedy.json ...
+        --results docs/results/r6_mtbench_greedy.json ...
 
-Every number in the card is read from ``drafter.json`` (training provenance, held-out metrics,
-calibration) or from the benchmark result files named (with the command stored beside each); nothing
-is typed by hand, so rerunning this after a new run keeps the card true.
+Every number in a card is read from ``drafter.json`` (training provenance, held-out metrics,
+calibration) or from the benchmark result files named in ``checkpoints/cards.json`` (with the command
+and commit stored in each); the only hand-written text is the ``about`` prose there, which carries no
+measurements. Rerunning this after a new run keeps the cards true.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def results_section(path: Path) -> str:
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data = json.loads((ROOT / path).read_text(encoding="utf-8"))
     summary = data["summary"]
     overall = summary["overall"]
     methods = list(overall)
@@ -37,53 +40,60 @@ def results_section(path: Path) -> str:
     cmd = data.get("command", "")
     ident = ", ".join(f"{m} {overall[m]['identical_share']:.0%}" for m in methods if m != "baseline")
     title = data.get("args", {}).get("title") or path.stem
-    return (f"### {title}\n\n`{path}` (speedup / MAT against plain decoding in the same "
+    commit = data.get("provenance", {}).get("commit", "")[:8] or "not recorded"
+    return (f"### {title}\n\n`{path}` (commit {commit}; speedup / MAT against plain decoding in the same "
             f"process; identical to plain greedy: {ident})\n\n    {cmd}\n\n" + _table(rows) + "\n")
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint")
-    ap.add_argument("--results", nargs="*", default=[])
-    ap.add_argument("--costs", default=None, help="scripts/profile_draft.py output (.json)")
-    args = ap.parse_args(argv)
-    ckpt = Path(args.checkpoint)
-    meta = json.loads((ckpt / "drafter.json").read_text(encoding="utf-8"))
-    extra, cfg = meta.get("extra", {}), meta["config"]
-    training = extra.get("training", {})
-    ev = extra.get("eval", {})
-    lines = [f"# {ckpt.name}", "",
-             f"A selfspec `{meta['kind']}` drafter for `{training.get('target', '?')}` (target fingerprint "
-             f"`{meta['target']['fingerprint']}`; `load_drafter` refuses any other target).", ""]
-    if meta["kind"] == "eagle3":
-        lines += ["EAGLE-3-class head: one decoder layer over the target's fused hidden states at taps "
-                  f"{cfg['taps']} (inputs of those layers), the embedding of the last drafted token and its "
-                  f"own previous output; LM head over a reduced vocabulary of {cfg['draft_vocab_size']} tokens.", ""]
-    lines += ["## Training", "",
-              f"- command: `python scripts/train_heads.py --config configs/eagle3_smollm2.yaml`",
-              f"- data: `{training.get('dataset')}` (self-distilled: the target's own answers; see its "
-              "`provenance.json` / `manifest.json`); benchmark prompts held out",
-              f"- response tokens trained on: {extra.get('train_response_tokens', '?')}; optimizer steps: "
-              f"{extra.get('steps', '?')}; training-time test steps: {training.get('ttt_steps', '?')}",
-              f"- optimizer: AdamW lr {training.get('optim', {}).get('lr', '?')}, "
-              f"{training.get('optim', {}).get('warmup_steps', '?')} warm-up steps, cosine to 10%, "
-              f"{training.get('optim', {}).get('epochs', '?')} epochs of {training.get('tokens_per_batch', '?')} "
-              f"padded tokens per step; target features in {training.get('target_dtype', '?')}; weights stored "
-              f"in {training.get('export_dtype', 'float32')}",
-              "- curves: `docs/results/eagle3_smollm2_training_curves.png`; continue training with "
-              "`--resume` and a larger `optim.epochs` (the run folder keeps the optimizer state)",
-              ""]
-    if "draft_vocab_coverage" in extra:
-        cov = extra["draft_vocab_coverage"]
-        lines += ["Draft vocabulary: share of held-out response tokens covered by the top-n tokens of the "
-                  "training responses:", "", _table([["n"] + list(cov), ["coverage"] + [f"{v:.3f}" for v in cov.values()]]), ""]
-    if ev:
+ROOT = Path(__file__).resolve().parents[1]
+CARDS = ROOT / "checkpoints" / "cards.json"
+
+
+def _kind_lines(kind: str, cfg: dict) -> list[str]:
+    """What the drafter is, from its stored config."""
+    if kind == "eagle3":
+        return ["EAGLE-3-class head: one decoder layer over the target's fused hidden states at taps "
+                f"{cfg['taps']} (inputs of those layers), the embedding of the last drafted token and its "
+                f"own previous output; LM head over a reduced vocabulary of {cfg['draft_vocab_size']} tokens. "
+                f"Dynamic tree: depth <= {cfg['max_depth']}, width {cfg['width']}, {cfg['max_nodes']} nodes.", ""]
+    if kind == "medusa":
+        return [f"Medusa heads: {cfg['num_heads']} heads, head k a stack of {cfg['num_layers']} residual block(s) "
+                "`x + SiLU(W x + b)` on the target's last hidden state, then the target's frozen LM head"
+                f"{' (own copy)' if cfg.get('own_lm_head') else ' (shared)'}; static tree {cfg['tree']}.", ""]
+    if kind in ("layerskip", "layerskip_lora"):
+        adapter = {"block": f"{cfg.get('adapter_layers', 1)} residual block(s) `x + SiLU(W x + b)`",
+                   "none": "no adapter"}.get(cfg.get("adapter"), cfg.get("adapter", "LoRA adapters"))
+        reuse = ("the drafting layers' keys / values are handed to the verify pass, which runs only the "
+                 "layers above" if cfg.get("kv_reuse") else "no KV reuse")
+        return [f"Layer-skip: the target's own first {cfg['exit_layer']} decoder layers (unmodified, shared), then "
+                f"{adapter}, then the target's final norm and LM head; {reuse}. Dynamic tree: depth <= "
+                f"{cfg['max_depth']}, width {cfg['width']}, {cfg['max_nodes']} nodes.", ""]
+    return []
+
+
+def _eval_lines(kind: str, ev: dict) -> list[str]:
+    if "eval/top1_per_step" in ev:
         top1, acc1 = ev.get("eval/top1_per_step", []), ev.get("eval/accept_t1_per_step", [])
-        lines += ["Held-out acceptance per unrolled step (teacher-forced; step j drafts depth j + 1):", "",
-                  _table([["step"] + [str(j) for j in range(len(top1))],
-                          ["top-1 = target argmax (greedy acceptance)"] + [f"{a:.3f}" for a in top1],
-                          ["sum min(p, q) (acceptance at T=1)"] + [f"{a:.3f}" for a in acc1]]), "",
-                  f"Expected MAT of a greedy chain of {len(top1)}: {ev.get('eval/expected_mat_chain', 0):.2f}", ""]
+        return ["Held-out acceptance per unrolled step (teacher-forced; step j drafts depth j + 1):", "",
+                _table([["step"] + [str(j) for j in range(len(top1))],
+                        ["top-1 = target argmax (greedy acceptance)"] + [f"{a:.3f}" for a in top1],
+                        ["sum min(p, q) (acceptance at T=1)"] + [f"{a:.3f}" for a in acc1]]), "",
+                f"Expected MAT of a greedy chain of {len(top1)}: {ev.get('eval/expected_mat_chain', 0):.2f}", ""]
+    if "eval/rank_accuracy" in ev:
+        acc = ev["eval/rank_accuracy"]
+        name = "head" if kind == "medusa" else "exit"
+        rows = [["held-out accuracy"] + [f"{name} {k + 1}" for k in range(len(acc))],
+                ["top-1"] + [f"{a[0]:.3f}" for a in acc],
+                [f"top-{len(acc[0])}"] + [f"{sum(a):.3f}" for a in acc]]
+        out = [_table(rows), ""]
+        if "eval/expected_mat_current_tree" in ev:
+            out += [f"Expected MAT of the stored tree from these accuracies: {ev['eval/expected_mat_current_tree']:.2f}", ""]
+        return out
+    return []
+
+
+def _calibration_lines(extra: dict) -> list[str]:
+    lines = []
     calib = extra.get("options_by_dtype", {})
     if calib:
         lines += ["## Calibrated trees (this machine, `scripts/calibrate.py --dtype ...`)", ""]
@@ -94,20 +104,68 @@ def main(argv=None) -> None:
                 lines.append("  measured speedup over plain decoding on held-out chat prompts: " + "; ".join(
                     f"{g['max_depth']}/{g['width']}/{g['max_nodes']} (depth/width/nodes) {v:.2f}x"
                     for g, v in zip(record["grid"], record["measured_speedup"])))
-        lines.append("")
-    if args.costs:
-        c = json.loads(Path(args.costs).read_text(encoding="utf-8"))
+        return lines + [""]
+    c = extra.get("calibration")
+    if not c:
+        return []
+    lines += [f"## Calibration (`scripts/calibrate.py`, {c.get('machine', '?').strip()}, {c.get('torch_threads', '?')} threads)", ""]
+    if "measured_speedup" in c:
+        lines.append("Measured speedup over plain decoding by node budget on "
+                     f"{c.get('prompts', '?')} calibration prompts: " + ", ".join(
+                         f"{n} nodes {v:.2f}x" for n, v in c["measured_speedup"].items())
+                     + f"; stored `max_nodes: {c.get('max_nodes')}`.")
+    if "tree" in c:
+        lines.append(f"Tree chosen for a {c.get('budget')}-node budget from measured acceptance and verify cost on "
+                     f"{c.get('prompts', '?')} prompts: `{c['tree']}` (expected MAT {c.get('expected_mat', 0):.2f}).")
+    return lines + [""]
+
+
+def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: str = "",
+              command: str | None = None) -> str:
+    """The model card of checkpoint folder ``ckpt`` (see the module docstring)."""
+    meta = json.loads((ckpt / "drafter.json").read_text(encoding="utf-8"))
+    extra, cfg = meta.get("extra", {}), meta["config"]
+    training = extra.get("training", {})
+    ev = extra.get("eval", {})
+    lines = [f"# {ckpt.name}", "",
+             f"A selfspec `{meta['kind']}` drafter for `{training.get('target') or meta['target'].get('name', '?')}` "
+             f"(target fingerprint `{meta['target']['fingerprint']}`; `load_drafter` refuses any other target).", ""]
+    lines += _kind_lines(meta["kind"], cfg)
+    if about:
+        lines += [about, ""]
+    if training:
+        o = training.get("optim", {})
+        lines += ["## Training", "",
+                  f"- command: `{command or 'python scripts/train_heads.py --config configs/<kind>_smollm2.yaml'}`",
+                  f"- data: `{training.get('dataset')}` (self-distilled: the target's own answers); benchmark "
+                  "prompts held out (`tests/test_distill.py`)",
+                  f"- optimizer steps: {extra.get('steps', '?')}; AdamW lr {o.get('lr', '?')}, {o.get('warmup_steps', '?')} "
+                  f"warm-up steps, cosine to 10%, {o.get('epochs', '?')} epochs"
+                  + (f"; training-time test steps: {training['ttt_steps']}" if "ttt_steps" in training else "")
+                  + (f"; response tokens: {extra['train_response_tokens']}" if "train_response_tokens" in extra else ""),
+                  ""]
+    elif "training_free" in extra:
+        lines += ["## Training", "", "None: training-free (the exit layer chosen by `scripts/pick_exit_layer.py` "
+                  "from measured acceptance and cost).", ""]
+    if "draft_vocab_coverage" in extra:
+        cov = extra["draft_vocab_coverage"]
+        lines += ["Draft vocabulary: share of held-out response tokens covered by the top-n tokens of the "
+                  "training responses:", "", _table([["n"] + list(cov), ["coverage"] + [f"{v:.3f}" for v in cov.values()]]), ""]
+    lines += _eval_lines(meta["kind"], ev)
+    lines += _calibration_lines(extra)
+    if costs:
+        c = json.loads((ROOT / costs).read_text(encoding="utf-8"))
         d = c["draft"]
-        lines += [f"## Draft-step cost ({c['dtype']}, `{args.costs}`)", "",
+        lines += [f"## Draft-step cost ({c['dtype']}, `{costs}`)", "",
                   f"propose {d['propose_s'] * 1e3:.1f} ms for {d['tree']}: per level the draft layer "
                   f"{d['layer_call_s'] * 1e3:.2f} ms and the head (norm, {d['draft_vocab_size']}-row LM head, "
                   f"log-softmax, top-k) {d['head_call_s'] * 1e3:.2f} ms; tree building and Python the rest "
                   f"({d['overhead_s'] * 1e3:.1f} ms). A verify pass over 1 / 8 / 16 nodes: "
                   + " / ".join(f"{c['verify'][str(n)]['hooks'] * 1e3:.0f}" for n in (1, 8, 16)) + " ms.", ""]
-    if args.results:
+    if results:
         alone = []
-        for p in args.results:
-            data = json.loads(Path(p).read_text(encoding="utf-8"))
+        for p in results:
+            data = json.loads((ROOT / p).read_text(encoding="utf-8"))
             if meta["kind"] in data["summary"]["overall"]:
                 alone.append((data.get("args", {}).get("title") or p, data["summary"]["overall"][meta["kind"]]["speedup"]))
         if alone:
@@ -115,10 +173,39 @@ def main(argv=None) -> None:
                        "does not pay on this machine yet (alone, below plain decoding where marked < 1.00x)")
             lines[4:4] = ["**Status**: this drafter " + verdict + ": " + "; ".join(
                 f"{t} {v:.2f}x" for t, v in alone) + " (tables below).", ""]
-        lines += ["## Benchmarks", ""] + [results_section(Path(p)) for p in args.results]
-    (ckpt / "README.md").write_text("\n".join(lines), encoding="utf-8")
-    print(f"wrote {ckpt / 'README.md'}")
+        lines += ["## Benchmarks", ""] + [results_section(Path(p)) for p in results]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", nargs="?")
+    ap.add_argument("--results", nargs="*", default=[])
+    ap.add_argument("--costs", default=None, help="scripts/profile_draft.py output (.json)")
+    ap.add_argument("--all", action="store_true", help="every card in checkpoints/cards.json")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a card differs")
+    args = ap.parse_args(argv)
+    if args.all:
+        jobs = [(ROOT / name, spec) for name, spec in json.loads(CARDS.read_text(encoding="utf-8")).items()]
+    elif args.checkpoint:
+        jobs = [(Path(args.checkpoint), {"results": args.results, "costs": args.costs})]
+    else:
+        ap.error("name a checkpoint or pass --all")
+    stale = []
+    for ckpt, spec in jobs:
+        text = card_text(ckpt, spec.get("results", []), spec.get("costs"), spec.get("about", ""), spec.get("command"))
+        path = ckpt / "README.md"
+        if args.check:
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                stale.append(str(path))
+        else:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}")
+    if stale:
+        print(f"stale model cards {stale}: run python scripts/model_card.py --all", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,10 +24,10 @@ import torch  # noqa: E402
 import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.drafters import build_drafter, save_drafter  # noqa: E402
-from selfspec.calibration import verify_costs  # noqa: E402
-from selfspec.exit_search import exit_acceptance, level_costs, rank_exits  # noqa: E402
-from selfspec.measure import compare  # noqa: E402
-from selfspec.workloads import calibration_prompts  # noqa: E402
+from selfspec.measurement.calibration import verify_costs  # noqa: E402
+from selfspec.measurement.exit_search import exit_acceptance, level_costs, rank_exits  # noqa: E402
+from selfspec.measurement.measure import compare  # noqa: E402
+from selfspec.measurement.workloads import calibration_prompts  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 

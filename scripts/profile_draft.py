@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import selfspec  # noqa: E402
-from selfspec.calibration import median_seconds  # noqa: E402
+from selfspec.measurement.calibration import median_seconds  # noqa: E402
 from selfspec.drafters.base import DraftContext  # noqa: E402
 from selfspec.kv_cache import new_cache  # noqa: E402
 from selfspec.lm_head import lm_logits  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from selfspec.benchmark import Record, markdown_table, summarise
+from selfspec.measurement.benchmark import Record, markdown_table, summarise
 
 
 def rec(qid, cat, method, tokens, time_s, steps, identical=True):
@@ -33,7 +33,7 @@ import json  # noqa: E402
 import torch  # noqa: E402
 
 from selfspec import benchmark  # noqa: E402
-from selfspec.workloads import load_questions  # noqa: E402
+from selfspec.measurement.workloads import load_questions  # noqa: E402
 from tiny_models import tiny_model, tiny_tokenizer  # noqa: E402
 
 SUMMARY_KEYS = {"prompts", "new_tokens", "tokens_per_s", "speedup", "mean_accepted_length", "acceptance_per_depth",

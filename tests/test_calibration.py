@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from selfspec.adaptive import AdaptiveConfig, AdaptivePolicy
-from selfspec.calibration import choose_tree
+from selfspec.measurement.calibration import choose_tree
 from selfspec.drafters.base import DraftContext, Drafter
 from selfspec.engine import decode
-from selfspec.exit_search import rank_exits
+from selfspec.measurement.exit_search import rank_exits
 from selfspec.sampling import SamplingConfig
 from selfspec.tree import TreeBuilder
 from stubs import OracleDrafter, TableTarget

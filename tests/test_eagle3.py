@@ -428,8 +428,8 @@ def test_medusa_export_layout(tmp_path):
 def test_bf16_divergences_are_rounding_near_ties_and_fp32_is_identical():
     """In bfloat16 a batched tree pass and sequential one-token passes round differently, so a
     speculative greedy output may leave plain greedy, but only where the plain pass's top-2 margin
-    is within what that rounding moves (``selfspec.measure.divergence``); in float32 outputs agree."""
-    from selfspec.measure import divergence
+    is within what that rounding moves (``selfspec.measurement.measure.divergence``); in float32 outputs agree."""
+    from selfspec.measurement.measure import divergence
 
     seen = 0
     for seed in range(6):

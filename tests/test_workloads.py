@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.workloads import load_bfcl, load_questions, load_spec_bench, take_per_category
+from selfspec.measurement.workloads import load_bfcl, load_questions, load_spec_bench, take_per_category
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA.exists(), reason="shared/data not beside the checkout")

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import new_cache
-from .lm_head import lm_logits
-from .tree_search import best_tree, expected_accepted_length
+from ..kv_cache import new_cache
+from ..lm_head import lm_logits
+from ..tree_search import best_tree, expected_accepted_length
 
 
 @dataclass
@@ -120,8 +120,8 @@ def heads_accuracy(model, drafter, sequences: list[tuple[torch.Tensor, int]], ra
 @torch.no_grad()
 def heads_draft_cost(model, drafter, repeats: int = 20) -> float:
     """Median seconds of one Medusa proposal (all heads + top-k + tree fill)."""
-    from .drafters.base import DraftContext
-    from .sampling import SamplingConfig
+    from ..drafters.base import DraftContext
+    from ..sampling import SamplingConfig
 
     hidden = model.config.get_text_config(decoder=True).hidden_size
     ctx = DraftContext(torch.tensor([1, 2]), torch.randn(hidden, dtype=drafter._dtype()), 64, SamplingConfig(0.0),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import SpecOutput, generate
+from ..engine import SpecOutput, generate
 
 
 @dataclass
@@ -90,8 +90,8 @@ class Divergence:
 @torch.no_grad()
 def divergence(model, plain: torch.Tensor, spec: torch.Tensor, prompt_len: int) -> Divergence | None:
     """Diagnose the first difference of two greedy outputs ``[1, L]`` (``None`` if identical)."""
-    from .lm_head import lm_logits
-    from .kv_cache import new_cache
+    from ..lm_head import lm_logits
+    from ..kv_cache import new_cache
 
     a, b = plain[0].cpu(), spec[0].cpu()
     n = min(a.shape[0], b.shape[0])

@@ -33,9 +33,9 @@ from typing import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from .chat import encode_chat
-from .drafters.base import Drafter
-from .engine import generate
+from ..chat import encode_chat
+from ..drafters.base import Drafter
+from ..engine import generate
 from .measure import divergence
 from .workloads import Question
 
@@ -92,7 +92,7 @@ class SelfspecMethod:
 
     def new_session(self) -> None:
         if self.prefix_cache:
-            from .prefix_cache import PrefixCache
+            from ..prefix_cache import PrefixCache
 
             self.cache = PrefixCache()
 
@@ -205,7 +205,7 @@ def method_from_spec(model, spec: str, target: str | None = None, adaptive: bool
     ``hf-early-exit:E``, or any selfspec drafter spec (:func:`selfspec.drafters.drafter_from_spec`;
     ``none`` = plain decoding); a selfspec spec ending in ``#fixed`` drafts every step (no adaptive
     fallback), one ending in ``~cache`` keeps a prefix KV cache per session."""
-    from .drafters import drafter_from_spec
+    from ..drafters import drafter_from_spec
 
     cache = spec.endswith("~cache")
     spec = spec.removesuffix("~cache")
