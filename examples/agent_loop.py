@@ -121,7 +121,7 @@ def main(argv=None) -> None:
     ap.add_argument("--turns", type=int, default=len(TURNS))
     ap.add_argument("--out", default=None, help="also write the rows to OUT.json and a Markdown table to OUT.md")
     args = ap.parse_args(argv)
-    from selfspec.benchmark import provenance
+    from selfspec.measurement.benchmark import provenance
 
     prov = provenance()  # the code as it is when the run starts
 

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import selfspec  # noqa: E402
-from selfspec import benchmark  # noqa: E402
+from selfspec.measurement import benchmark  # noqa: E402
 from selfspec.measurement.workloads import load_questions, take_per_category  # noqa: E402
 
 

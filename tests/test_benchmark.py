@@ -32,7 +32,7 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from selfspec import benchmark  # noqa: E402
+from selfspec.measurement import benchmark  # noqa: E402
 from selfspec.measurement.workloads import load_questions  # noqa: E402
 from tiny_models import tiny_model, tiny_tokenizer  # noqa: E402
 

@@ -110,3 +110,46 @@ def test_two_processes_killed_and_resumed_on_one_match_one_process(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+FAILING_RANK = """import runpy, sys
+sys.path.insert(0, {root!r})
+from training.loop import TrainingRun
+
+real = TrainingRun._train_step
+
+
+def failing(self, items):
+    if self.acc.process_index == 1 and self.step == 3:
+        raise RuntimeError("injected failure on rank 1 at step 3")
+    return real(self, items)
+
+
+TrainingRun._train_step = failing
+sys.argv = [{script!r}] + sys.argv[1:]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def test_a_failure_on_one_rank_ends_the_run_with_its_error(tmp_path):
+    """Rank 1 raises mid-training while rank 0 waits in the gradient all-reduce: the launcher must
+    end every process and exit non-zero with rank 1's error, quickly (no hang until the collective
+    times out), and the last checkpoint stays whole and resumable."""
+    cfg = _setup(tmp_path)
+    wrapper = tmp_path / "fail_rank1.py"
+    wrapper.write_text(FAILING_RANK.format(root=str(ROOT), script=str(ROOT / "scripts" / "train_heads.py")))
+    run = tmp_path / "run"
+    cmd = _cmd(cfg, run, 2)
+    cmd[cmd.index(str(ROOT / "scripts" / "train_heads.py"))] = str(wrapper)
+    started = time.time()
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    elapsed = time.time() - started
+    assert done.returncode != 0
+    assert "injected failure on rank 1 at step 3" in done.stdout + done.stderr
+    assert elapsed < 240, f"the launcher took {elapsed:.0f} s to give up"
+    info = json.loads((run / "checkpoint" / "train_state.json").read_text())
+    assert info["step"] == 2 and info["processes"] == 2  # ckpt_every 2: the checkpoint before the failure
+    resumed = subprocess.run(_cmd(cfg, run, None, "--resume", "optim.epochs=1"), env=_env(), capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from selfspec.chat import encode_chat
 from selfspec.loading import DEFAULT_TARGET
 from selfspec.fingerprint import target_fingerprint
-from selfspec.workloads import load_bfcl, tool_system_message
+from selfspec.measurement.workloads import load_bfcl, tool_system_message
 
 from selfspec.checkpoint import atomic_write_text
 
@@ -94,7 +94,7 @@ KNOWN_SOURCES = ("gsm8k", "bfcl_simple", "bfcl_multiple", "humaneval", "mt_bench
 def benchmark_prompts(data_dir: str | Path, holdout: int = 100) -> set[str]:
     """User texts of every prompt set the benchmarks measure on (MT-Bench turns, the held-out BFCL
     records, the adversarial prompts): self-distillation never trains on them."""
-    from selfspec.workloads import load_spec_bench
+    from selfspec.measurement.workloads import load_spec_bench
 
     data = Path(data_dir)
     texts: set[str] = set()
