@@ -124,3 +124,20 @@ def test_recommended_drafters_are_the_fastest_in_their_result_files():
             ours = {m: r["speedup"] for m, r in overall.items() if m != "baseline" and not m.startswith("hf-")}
             assert entry["drafter"] in ours, (path, entry["drafter"])
             assert ours[entry["drafter"]] == max(ours.values()), (path, ours)
+
+
+def test_model_cards_match_their_checkpoints_and_result_files():
+    """Every shipped checkpoint's README.md is what scripts/model_card.py generates from its
+    drafter.json and the result files named in checkpoints/cards.json (no hand-typed numbers)."""
+    import importlib.util
+    import json
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1]
+    cards = json.loads((root / "checkpoints" / "cards.json").read_text(encoding="utf-8"))
+    shipped = {f"checkpoints/{p.parent.name}" for p in (root / "checkpoints").glob("*/drafter.json")}
+    assert shipped == set(cards), "every shipped checkpoint needs an entry in checkpoints/cards.json"
+    spec = importlib.util.spec_from_file_location("model_card", root / "scripts" / "model_card.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--all", "--check"]) == 0

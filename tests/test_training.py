@@ -147,3 +147,59 @@ def test_layerskip_training_lowers_loss_resumes_and_exports(tmp_path):
 def test_layerskip_training_refuses_a_plain_exit():
     with pytest.raises(ValueError, match="pick_exit_layer"):
         load_config(HeadsTrainConfig, None, ["kind=layerskip", "layerskip.adapter=none"])
+
+
+@pytest.mark.parametrize("kind", ["medusa", "layerskip"])
+def test_online_features_equal_the_cached_ones(kind):
+    """One padded target pass over several examples gives the cached features, positions and labels."""
+    from training.features import batch_features, build_features
+
+    model = tiny_model("llama", vocab=64, layers=4)  # float64
+    data = tiny_dataset(model.float(), n=5, new=12)
+    model.double()
+    rows = [dict(r) for r in data]
+    rows[2]["response_ids"] = rows[2]["response_ids"][:5]  # lengths differ: padding inside the batch
+    opts = dict(exit_layer=2, first=1) if kind == "layerskip" else dict(first=2)
+    k = 1 if kind == "layerskip" else 3
+    a = build_features(model, rows, k, dtype=torch.float64, progress=False, **opts)
+    b = batch_features(model, rows, k, dtype=torch.float64, **opts)
+    for name in ("positions", "labels", "example"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    torch.testing.assert_close(b.hidden, a.hidden, rtol=0, atol=1e-10)
+    if kind == "layerskip":
+        torch.testing.assert_close(b.exit_hidden, a.exit_hidden, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "layerskip"])
+def test_online_training_lowers_loss_resumes_exactly_and_exports(tmp_path, kind):
+    """features: online (the GPU recipes' mode): no feature file is written, the loss falls, a run
+    cut after its checkpoint resumes to the weights of an uninterrupted one, the export loads."""
+    model = tiny_model("llama", vocab=64, dtype=torch.float32, layers=4)
+    data = tiny_dataset(model, n=16)
+    extra = ["kind=layerskip", "layerskip.exit_layer=2", "loss=kl"] if kind == "layerskip" else []
+
+    def config(folder):
+        return load_config(HeadsTrainConfig, None, [
+            f"run.out_dir={folder}", "run.wandb_mode=disabled", "run.log_every=2", "run.eval_every=100",
+            "run.ckpt_every=3", "features=online", "tokens_per_batch=128", "max_len=64", "optim.lr=0.01",
+            "optim.warmup_steps=1", "optim.epochs=4", "eval_fraction=0.25", "medusa.num_heads=2",
+            "medusa.tree=[[0],[1],[0,0]]", "tree_budget=3", f"export={folder / 'exported'}"] + extra)
+
+    full = recipe_for(config(tmp_path / "a"), model=model, dataset=data)
+    full.setup()
+    before = full.evaluate()["eval/loss"]
+    full.train()
+    assert full.evaluate()["eval/loss"] < before
+    summary = full.export()
+    assert summary["features"] == "online" and not (tmp_path / "a" / "features.safetensors").exists()
+    assert full.total_steps > 6
+    cut = recipe_for(config(tmp_path / "b"), model=model, dataset=data)
+    cut.setup()
+    cut.train(stop_at=5)
+    resumed = recipe_for(config(tmp_path / "b"), model=model, dataset=data)
+    resumed.setup(resume=True)
+    assert resumed.step == 3
+    resumed.train()
+    for a, b in zip(full.trainable.parameters(), resumed.trainable.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert selfspec.load_drafter(tmp_path / "a" / "exported", model).kind == kind

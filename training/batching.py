@@ -1,9 +1,28 @@
-"""Batches of whole examples (prompt + response token ids), shared by the recipes that run the
-target online: length buckets, a seeded order, right-padded collation."""
+"""Examples (prompt + response token ids) and their batches, shared by the recipes: loading a
+distillation folder, length buckets, a seeded order, right-padded collation."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+
+
+def load_distilled(path: str | Path) -> list[dict]:
+    """Examples ``{prompt_ids, response_ids, source, ...}`` of a distillation folder (its shards,
+    finished ones only, so a run still in progress can be read) or of a ``datasets`` folder."""
+    path = Path(path)
+    shards = sorted((path / "shards").glob("*.jsonl")) if (path / "shards").is_dir() else []
+    if shards:
+        return [json.loads(line) for s in shards for line in s.read_text(encoding="utf-8").splitlines() if line]
+    if (path / "shards").is_dir():
+        raise FileNotFoundError(f"{path} has no finished shard yet: let scripts/distill_data.py run longer")
+    if path.is_dir():
+        from datasets import load_from_disk
+
+        return list(load_from_disk(str(path)))
+    raise FileNotFoundError(f"no distilled data at {str(path)!r}: run scripts/distill_data.py first")
 
 
 def length_buckets(examples: list[dict], max_len: int, tokens_per_batch: int) -> list[list[int]]:

@@ -9,7 +9,8 @@ exactly, by the same ``build_drafter`` the recipe calls.
 The estimate per process: target weights in the config's ``target_dtype``, trainable parameters
 with their gradients and AdamW moments in float32 (16 bytes each), and the largest activations of
 one micro-batch (cached-feature kinds: the heads' logits over the vocabulary; online kinds: the
-target's transient pass plus the drafter's activations per unrolled step, for EAGLE-3 including
+target's transient pass plus the drafter's activations per unrolled step (Medusa / layer-skip
+with ``features: online``: the heads' logits over every position of the micro-batch), for EAGLE-3 including
 its attention scores with every example ``max_len`` long, the worst case). Checked once on an H200
 (``docs/results/r7_gpu_check.md``): at 16k tokens per batch of ~900-token examples the run peaked
 at 119.6 GiB, which the worst case bounds from above.
@@ -106,7 +107,13 @@ def estimate(cfg, processes: int = 1, tflops: float = 200.0, tokens: int | None 
     dtype = getattr(cfg, "target_dtype", "float32")
     split = max(1, processes * cfg.optim.grad_accum)
     vocab = text.vocab_size
-    if cfg.kind in ("medusa", "layerskip"):  # cached features: B positions x outputs x vocab logits
+    if cfg.kind in ("medusa", "layerskip") and getattr(cfg, "features", "cached") == "online":
+        # online: the target's transient pass over the micro-batch, then heads over its positions
+        micro = max(1, cfg.tokens_per_batch // split)
+        outputs = cfg.medusa.num_heads if cfg.kind == "medusa" else 1
+        run_layers = layers
+        act = micro * (hidden * 24 + vocab * 2 * 2) + micro * outputs * vocab * 4 * (5 if cfg.loss == "kl" else 3)
+    elif cfg.kind in ("medusa", "layerskip"):  # cached features: B positions x outputs x vocab logits
         outputs = cfg.medusa.num_heads if cfg.kind == "medusa" else 1
         micro = max(1, cfg.optim.batch_size // split)
         act = micro * outputs * vocab * 4 * (5 if cfg.loss == "kl" else 3)  # logits, log-softmax, grad (+ target law)

@@ -8,6 +8,9 @@ the last prompt token to the end, i.e. every position whose next token was writt
 guess; ``-100`` where it falls outside the example or inside the prompt). The target's own next
 token law at row ``g + k`` is what head k+1 would ideally match (used by the KL loss).
 
+:func:`batch_features` computes the same layout for a few examples in one padded target pass: the
+online mode of the Medusa and layer-skip recipes, where nothing is cached on disk.
+
 Layer-skip drafters are trained on ``exit_hidden``: the output of layer E-1 (before the final norm)
 at the same rows, with ``first = 1`` (label = the very next token, target law at the same row).
 """
@@ -101,3 +104,52 @@ def build_features(model, dataset, num_heads: int, *, max_len: int = 1024, dtype
         offset += h.shape[0]
     return FeatureCache(torch.cat(hidden), torch.cat(positions), torch.cat(labels), torch.cat(example),
                         torch.cat(exits) if exits else None)
+
+
+@torch.no_grad()
+def batch_features(model, examples, num_heads: int, *, max_len: int = 1024, dtype=torch.float32,
+                   exit_layer: int | None = None, first: int = 2) -> FeatureCache:
+    """:func:`build_features` for a list of examples in ONE right-padded target pass (online
+    training). Causal attention makes the padding invisible to the real positions, so the result
+    equals :func:`build_features` up to float summation order (tested); ``example`` numbers the
+    examples in the given order."""
+    from selfspec.layer_slice import LayerSlice, num_layers
+
+    device = next(model.parameters()).device
+    kept = [(e["prompt_ids"], (e["prompt_ids"] + e["response_ids"])[:max_len]) for e in examples]
+    kept = [(i, p, t) for i, (p, t) in enumerate(kept) if len(t) > len(p) >= 1]
+    if not kept:
+        raise ValueError("none of these examples has a response token within max_len")
+    ids = torch.zeros(len(kept), max(len(t) for _, _, t in kept), dtype=torch.long)
+    for b, (_, _, t) in enumerate(kept):
+        ids[b, :len(t)] = torch.tensor(t)
+    if exit_layer is None:
+        last, low = model.get_decoder()(input_ids=ids.to(device)).last_hidden_state, None
+    else:
+        low = LayerSlice(model, range(exit_layer), final_norm=False)(input_ids=ids.to(device))
+        last = LayerSlice(model, range(exit_layer, num_layers(model)))(inputs_embeds=low)
+    hidden, exits, positions, labels, example = [], [], [], [], []
+    offset = 0
+    for b, (i, prompt, tokens) in enumerate(kept):
+        tokens = torch.tensor(tokens, dtype=torch.long)
+        start = len(prompt) - 1
+        hidden.append(last[b, start:len(tokens)].to("cpu", dtype))
+        if low is not None:
+            exits.append(low[b, start:len(tokens)].to("cpu", dtype))
+        pos, lab = head_labels(tokens, len(prompt), num_heads, first)
+        positions.append(pos - start + offset)
+        labels.append(lab)
+        example.append(torch.full_like(pos, i))
+        offset += hidden[-1].shape[0]
+    return FeatureCache(torch.cat(hidden), torch.cat(positions), torch.cat(labels), torch.cat(example),
+                        torch.cat(exits) if exits else None)
+
+
+def label_counts(examples, num_heads: int, max_len: int, first: int = 2) -> torch.Tensor:
+    """``[K]`` valid labels per head over ``examples``, from their token ids alone (no target)."""
+    total = torch.zeros(num_heads, dtype=torch.long)
+    for e in examples:
+        tokens = torch.tensor((e["prompt_ids"] + e["response_ids"])[:max_len], dtype=torch.long)
+        if len(tokens) > len(e["prompt_ids"]) >= 1:
+            total += (head_labels(tokens, len(e["prompt_ids"]), num_heads, first)[1] != IGNORE).sum(0)
+    return total

@@ -1,11 +1,21 @@
-"""What the kinds trained on cached target features share (Medusa heads, the layer-skip exit).
+"""What the kinds trained on frozen-target features share (Medusa heads, the layer-skip exit).
 
-The frozen target runs once per example (:func:`training.features.build_features`, on the main
-process) and its hidden states are cached in the run folder as safetensors, keyed by the target's
-weight fingerprint, the dataset, the kind and the feature options (never silently reused for
-another). Items are training positions; the global batch of step s is a slice of a seeded
-permutation of them (a pure function of seed, epoch and s). Held-out positions are those of a
-seeded share of the examples. A kind subclasses :class:`CachedFeatureRecipe` with the number of
+Two ways to get the target's hidden states (``features``):
+
+* ``cached`` (small targets): the frozen target runs once per example
+  (:func:`training.features.build_features`, on the main process) and its hidden states are cached
+  in the run folder as safetensors, keyed by the target's weight fingerprint, the dataset, the kind
+  and the feature options (never silently reused for another). Items are training positions; the
+  global batch of step s is a slice of a seeded permutation of them (a pure function of seed,
+  epoch and s).
+* ``online`` (large targets, the GPU recipes): nothing is cached; items are examples, the global
+  batch of step s is a length bucket of at most ``tokens_per_batch`` padded tokens in a seeded
+  order (:mod:`training.batching`), and each process runs the frozen target over its share of it
+  in one padded pass under ``torch.no_grad`` (:func:`training.features.batch_features`, in
+  ``target_dtype``), then trains on the positions exactly as the cached mode does.
+
+Held-out positions are those of a seeded share of the examples (their features are computed once,
+in memory, in online mode). A kind subclasses :class:`CachedFeatureRecipe` with the number of
 predictions per position, its label offset, its forward and its own evaluation and export.
 """
 
@@ -21,7 +31,8 @@ from selfspec.drafters.layerskip import LayerSkipConfig
 from selfspec.drafters.medusa import MedusaConfig
 from selfspec.lm_head import lm_logits
 
-from ..features import IGNORE, FeatureCache, build_features
+from ..batching import batch_at, length_buckets, load_distilled
+from ..features import IGNORE, FeatureCache, batch_features, build_features, label_counts
 from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype
 from ..losses import head_loss, rank_hits
 
@@ -33,7 +44,8 @@ class HeadsTrainConfig:
     Attributes:
         recipe: always ``train_heads`` (tells config files apart).
         target: target alias or path (see ``selfspec.load_target``).
-        dataset: a self-distilled ``datasets`` folder (``scripts/distill_data.py``).
+        dataset: a self-distilled ``datasets`` folder or distillation output folder (its finished
+            shards), as ``scripts/distill_data.py`` writes them.
         kind: drafter kind to train: ``medusa`` or ``layerskip``.
         medusa: head shape (kind ``medusa``).
         layerskip: exit layer, adapter and tree policy (kind ``layerskip``; the adapter must be
@@ -44,6 +56,10 @@ class HeadsTrainConfig:
         eval_ranks: candidates per head measured (tree width limit).
         tree_budget: draft nodes of the exported tree.
         max_len: longest example (tokens) used.
+        features: ``cached`` (computed once, stored in the run folder) or ``online`` (computed in
+            every step from the frozen target; the default for large targets).
+        tokens_per_batch: padded tokens per global batch in ``online`` mode (``optim.batch_size``
+            counts positions in ``cached`` mode).
         target_dtype: dtype the frozen target is loaded in to compute the cached features
             (``bfloat16`` halves a large target's memory; the heads train in float32).
         export: where the final drafter checkpoint is written (``null`` to skip).
@@ -63,6 +79,8 @@ class HeadsTrainConfig:
     eval_ranks: int = 4
     tree_budget: int = 10
     max_len: int = 1024
+    features: str = "cached"
+    tokens_per_batch: int = 8192
     target_dtype: str = "float32"
     export: str | None = None
     overwrite_export: bool = False
@@ -81,6 +99,10 @@ class HeadsTrainConfig:
             if self.layerskip.layers is not None:
                 raise ValueError("training supports exit layers (layerskip.exit_layer), not layer subsets")
         check_dtype("target_dtype", self.target_dtype)
+        if self.features not in ("cached", "online"):
+            raise ValueError(f"features must be 'cached' or 'online', got {self.features!r}")
+        if self.features == "online" and self.tokens_per_batch < self.max_len:
+            raise ValueError(f"tokens_per_batch ({self.tokens_per_batch}) must hold one max_len ({self.max_len}) example")
         if self.loss not in ("ce", "kl"):
             raise ValueError(f"loss must be 'ce' or 'kl', got {self.loss!r}")
 
@@ -109,13 +131,18 @@ class CachedFeatureRecipe(TrainingRun):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ data
-    def prepare(self) -> None:
-        if self.dataset is None:
-            from datasets import load_from_disk
+    @property
+    def online(self) -> bool:
+        return self.cfg.features == "online"
 
-            self.dataset = load_from_disk(self.cfg.dataset)
-        self.features = self._features()
-        self.train_set, self.eval_set = self._split(self.features)
+    def prepare(self) -> None:
+        if self.dataset is None:  # a datasets folder or distillation shards (possibly still growing)
+            self.dataset = load_distilled(self.cfg.dataset)
+        if self.online:
+            self._prepare_online()
+        else:
+            self.features = self._features()
+            self.train_set, self.eval_set = self._split(self.features)
         self.drafter = selfspec.build_drafter(self.model, self.cfg.kind, **self.options())
         self.trainable = self.trainable_of(self.drafter)
 
@@ -149,18 +176,55 @@ class CachedFeatureRecipe(TrainingRun):
             tmp.replace(path)
         return feats
 
-    def _split(self, feats: FeatureCache) -> tuple[FeatureCache, FeatureCache]:
-        n_examples = int(feats.example.max()) + 1
+    def _held_out(self, n_examples: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.cfg.run.seed)
-        held = torch.randperm(n_examples, generator=g)[: max(1, int(n_examples * self.cfg.eval_fraction))]
+        return torch.randperm(n_examples, generator=g)[: max(1, int(n_examples * self.cfg.eval_fraction))]
+
+    def _prepare_online(self) -> None:
+        """Examples split as the cached mode splits them; held-out features computed once."""
+        cfg = self.cfg
+        rows = [{"prompt_ids": list(r["prompt_ids"]), "response_ids": list(r["response_ids"])} for r in self.dataset]
+        held = set(self._held_out(len(rows)).tolist())
+        usable = [i for i, r in enumerate(rows) if r["response_ids"] and r["prompt_ids"]]
+        self.examples = [rows[i] for i in usable if i not in held]
+        evals = [rows[i] for i in usable if i in held]
+        self.batches = length_buckets(self.examples, cfg.max_len, cfg.tokens_per_batch)
+        self.eval_set = self._online_features(evals, chunk=8)
+
+    def _online_features(self, examples: list[dict], chunk: int | None = None) -> FeatureCache:
+        """The target's features for ``examples`` (in chunks of ``chunk`` examples, concatenated)."""
+        parts = [examples] if chunk is None else [examples[i:i + chunk] for i in range(0, len(examples), chunk)]
+        caches = [batch_features(self.model, part, self.num_outputs, max_len=self.cfg.max_len,
+                                 dtype=getattr(torch, self.cfg.run.feature_dtype), exit_layer=self.exit_layer,
+                                 first=self.first) for part in parts]
+        if len(caches) == 1:
+            return caches[0]
+        offset, hidden, exits, pos, lab, ex = 0, [], [], [], [], []
+        for base, c in zip(range(0, len(examples), chunk), caches):
+            hidden.append(c.hidden)
+            exits.append(c.exit_hidden)
+            pos.append(c.positions + offset)
+            lab.append(c.labels)
+            ex.append(c.example + base)
+            offset += c.hidden.shape[0]
+        return FeatureCache(torch.cat(hidden), torch.cat(pos), torch.cat(lab), torch.cat(ex),
+                            None if exits[0] is None else torch.cat(exits))
+
+    def _split(self, feats: FeatureCache) -> tuple[FeatureCache, FeatureCache]:
+        held = self._held_out(int(feats.example.max()) + 1)
         is_eval = torch.isin(feats.example, held)
         return feats.subset(~is_eval), feats.subset(is_eval)
 
     def steps_per_epoch(self) -> int:
+        if self.online:
+            return len(self.batches)
         return max(1, len(self.train_set.positions) // self.cfg.optim.batch_size)
 
     def step_items(self, step: int) -> list[int]:
-        """Position indices of ``step``: a pure function of (seed, epoch, step) for exact resume."""
+        """Position indices (cached) or example indices (online) of ``step``: a pure function of
+        (seed, epoch, step) for exact resume."""
+        if self.online:
+            return batch_at(self.batches, step, self.cfg.run.seed)
         n, bs = len(self.train_set.positions), self.cfg.optim.batch_size
         epoch, i = divmod(step, self.steps_per_epoch())
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.run.seed * 7919 + epoch))
@@ -187,6 +251,14 @@ class CachedFeatureRecipe(TrainingRun):
 
     def loss(self, items: list[int], batch: list[int]) -> tuple[torch.Tensor, dict]:
         """Per head: the items' loss sum over the global batch's count of valid labels."""
+        if self.online:  # the items' features now, from the frozen target; the counts from the ids alone
+            cfg = self.cfg
+            counts = label_counts([self.examples[i] for i in batch], self.num_outputs, cfg.max_len, self.first)
+            cache = self._online_features([self.examples[i] for i in items])
+            logits, labels, target = self._outputs(cache, torch.arange(len(cache.positions)), self.module)
+            loss, per_head = head_loss(logits, labels, cfg.head_decay, target, counts=counts)
+            return loss, {f"train/loss_head{k + 1}": float(v) for k, v in enumerate(per_head)} | {
+                "_tokens": len(cache.positions)}
         counts = (self.train_set.labels[torch.tensor(batch)] != IGNORE).sum(0)
         logits, labels, target = self._outputs(self.train_set, torch.tensor(items), self.module)
         loss, per_head = head_loss(logits, labels, self.cfg.head_decay, target, counts=counts)
@@ -229,7 +301,9 @@ class CachedFeatureRecipe(TrainingRun):
         from selfspec.drafters import save_drafter
 
         metrics = self.evaluate() if self.acc.is_main_process else {}
-        summary = {"steps": self.step, "train_positions": len(self.train_set.positions),
+        train_positions = (int(label_counts(self.examples, 1, self.cfg.max_len, 1)[0]) if self.online
+                           else len(self.train_set.positions))
+        summary = {"steps": self.step, "train_positions": train_positions, "features": self.cfg.features,
                    "eval_positions": len(self.eval_set.positions), "metrics": metrics, "tree": None}
         if self.acc.is_main_process:
             summary |= self.finalize(metrics)

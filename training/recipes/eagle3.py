@@ -23,9 +23,7 @@ the training split (coverage of several sizes is recorded in the summary).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -35,7 +33,7 @@ from selfspec.drafters.eagle3 import Eagle3Config
 from selfspec.lm_head import lm_logits
 from selfspec.taps import capture_taps
 
-from ..batching import batch_at, collate, length_buckets, split_examples
+from ..batching import batch_at, collate, length_buckets, load_distilled, split_examples
 from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -96,22 +94,6 @@ class Eagle3TrainConfig:
             raise ValueError(f"init must be 'exit' or 'random', got {self.init!r}")
         check_dtype("target_dtype", self.target_dtype)
         check_dtype("export_dtype", self.export_dtype)
-
-
-def load_distilled(path: str | Path) -> list[dict]:
-    """Examples ``{prompt_ids, response_ids, source, ...}`` of a distillation folder (its shards,
-    finished ones only, so a run still in progress can be read) or of a ``datasets`` folder."""
-    path = Path(path)
-    shards = sorted((path / "shards").glob("*.jsonl")) if (path / "shards").is_dir() else []
-    if shards:
-        return [json.loads(line) for s in shards for line in s.read_text(encoding="utf-8").splitlines() if line]
-    if (path / "shards").is_dir():
-        raise FileNotFoundError(f"{path} has no finished shard yet: let scripts/distill_data.py run longer")
-    if path.is_dir():
-        from datasets import load_from_disk
-
-        return list(load_from_disk(str(path)))
-    raise FileNotFoundError(f"no distilled data at {str(path)!r}: run scripts/distill_data.py first")
 
 
 def _token_counts(examples: list[dict], vocab: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from selfspec.lm_head import lm_logits
 
 from ..batching import batch_at, collate, length_buckets, split_examples
 from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype
-from .eagle3 import load_distilled
+from ..batching import load_distilled
 
 
 @dataclass
