@@ -121,14 +121,14 @@ def _calibration_lines(extra: dict) -> list[str]:
 
 
 def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: str = "",
-              command: str | None = None) -> str:
+              command: str | None = None, target: str = "?") -> str:
     """The model card of checkpoint folder ``ckpt`` (see the module docstring)."""
     meta = json.loads((ckpt / "drafter.json").read_text(encoding="utf-8"))
     extra, cfg = meta.get("extra", {}), meta["config"]
     training = extra.get("training", {})
     ev = extra.get("eval", {})
     lines = [f"# {ckpt.name}", "",
-             f"A selfspec `{meta['kind']}` drafter for `{training.get('target') or meta['target'].get('name', '?')}` "
+             f"A selfspec `{meta['kind']}` drafter for `{training.get('target') or target}` "
              f"(target fingerprint `{meta['target']['fingerprint']}`; `load_drafter` refuses any other target).", ""]
     lines += _kind_lines(meta["kind"], cfg)
     if about:
@@ -147,6 +147,12 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
     elif "training_free" in extra:
         lines += ["## Training", "", "None: training-free (the exit layer chosen by `scripts/pick_exit_layer.py` "
                   "from measured acceptance and cost).", ""]
+        acc = extra.get("acceptance_per_exit")
+        if acc:
+            best = max(range(len(acc)), key=lambda i: acc[i])
+            lines += [f"Measured greedy acceptance of a plain exit after layer e, e = 1..{len(acc)}: best "
+                      f"{acc[best]:.3f} (e = {best + 1}), after layer 1 {acc[0]:.3f}; measured speedup of the stored "
+                      f"choice: {extra.get('measured_speedup', 0):.2f}x (below 1: a plain early exit does not pay here).", ""]
     if "draft_vocab_coverage" in extra:
         cov = extra["draft_vocab_coverage"]
         lines += ["Draft vocabulary: share of held-out response tokens covered by the top-n tokens of the "
@@ -193,7 +199,8 @@ def main(argv=None) -> int:
         ap.error("name a checkpoint or pass --all")
     stale = []
     for ckpt, spec in jobs:
-        text = card_text(ckpt, spec.get("results", []), spec.get("costs"), spec.get("about", ""), spec.get("command"))
+        text = card_text(ckpt, spec.get("results", []), spec.get("costs"), spec.get("about", ""), spec.get("command"),
+                         spec.get("target", "?"))
         path = ckpt / "README.md"
         if args.check:
             if not path.exists() or path.read_text(encoding="utf-8") != text:

@@ -47,16 +47,16 @@ def main(argv=None) -> None:
     m = summary["metrics"]
     if not m:  # not the main process: the main one reports
         return
-    if cfg.kind == "eagle3":
-        print(f"steps {summary['steps']}; held-out top-1 per unrolled step "
-              f"{[round(a, 3) for a in m['eval/top1_per_step']]}; T=1 acceptance "
-              f"{[round(a, 3) for a in m['eval/accept_t1_per_step']]}; expected chain MAT {m['eval/expected_mat_chain']:.2f}")
-        return
-    mat = m.get("eval/expected_mat_current_tree", m.get("eval/expected_mat_chain"))
-    print(f"steps {summary['steps']}; held-out top-1 per prediction "
-          f"{[round(a[0], 3) for a in m['eval/rank_accuracy']]}; expected MAT {mat:.2f}")
-    if summary["tree"] is not None:
+    print(f"steps {summary['steps']}; held-out " + "; ".join(  # whatever the kind's evaluation measured
+        f"{k.split('/', 1)[1]} {_fmt(v)}" for k, v in m.items() if k.startswith("eval/") and not k[-1].isdigit()))
+    if summary.get("tree") is not None:
         print(f"tree: {summary['tree']}")
+
+
+def _fmt(v) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
 if __name__ == "__main__":
