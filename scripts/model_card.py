@@ -60,7 +60,12 @@ def _kind_lines(kind: str, cfg: dict) -> list[str]:
         return [f"Medusa heads: {cfg['num_heads']} heads, head k a stack of {cfg['num_layers']} residual block(s) "
                 "`x + SiLU(W x + b)` on the target's last hidden state, then the target's frozen LM head"
                 f"{' (own copy)' if cfg.get('own_lm_head') else ' (shared)'}; static tree {cfg['tree']}.", ""]
-    if kind in ("layerskip", "layerskip_lora"):
+    if kind == "layerskip_lora":
+        return [f"LoRA layer-skip: weight-sharing copies of the target's first {cfg['exit_layer']} decoder layers carrying "
+                f"PEFT LoRA adapters (rank {cfg['rank']}, alpha {cfg['alpha']}), then the target's final norm and LM head; "
+                f"the target is not modified, so there is no KV reuse. Dynamic tree: depth <= {cfg['max_depth']}, width "
+                f"{cfg['width']}, {cfg['max_nodes']} nodes.", ""]
+    if kind == "layerskip":
         adapter = {"block": f"{cfg.get('adapter_layers', 1)} residual block(s) `x + SiLU(W x + b)`",
                    "none": "no adapter"}.get(cfg.get("adapter"), cfg.get("adapter", "LoRA adapters"))
         reuse = ("the drafting layers' keys / values are handed to the verify pass, which runs only the "
@@ -89,6 +94,10 @@ def _eval_lines(kind: str, ev: dict) -> list[str]:
         if "eval/expected_mat_current_tree" in ev:
             out += [f"Expected MAT of the stored tree from these accuracies: {ev['eval/expected_mat_current_tree']:.2f}", ""]
         return out
+    scalars = {k.split("/", 1)[1]: v for k, v in ev.items() if isinstance(v, (int, float))}
+    if scalars:  # any other kind: its held-out scalars as measured
+        return ["Held-out evaluation at the end of training:", "",
+                _table([list(scalars), [f"{v:.3f}" for v in scalars.values()]]), ""]
     return []
 
 
@@ -172,8 +181,9 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
         alone = []
         for p in results:
             data = json.loads((ROOT / p).read_text(encoding="utf-8"))
-            if meta["kind"] in data["summary"]["overall"]:
-                alone.append((data.get("args", {}).get("title") or p, data["summary"]["overall"][meta["kind"]]["speedup"]))
+            for method, row in data["summary"]["overall"].items():  # the shipped alias or this folder, unmodified
+                if method == meta["kind"] or method.rstrip("/").endswith("/" + ckpt.name):
+                    alone.append((data.get("args", {}).get("title") or p, row["speedup"]))
         if alone:
             verdict = ("pays on this machine" if min(v for _, v in alone) >= 1.0 else
                        "does not pay on this machine yet (alone, below plain decoding where marked < 1.00x)")

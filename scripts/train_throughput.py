@@ -69,7 +69,7 @@ def run_one(config: str, overrides: list[str], processes: int, data: Path, out: 
     return {"processes": processes, "steps": state["step"], "tokens_per_s": round(rows[-1]["train/tokens_per_s"], 1),
             "train_wall_s": round(state.get("wall_time_s", 0.0), 1), "process_wall_s": round(wall, 1),
             "command": " ".join(cmd[cmd.index(str(ROOT / "scripts" / "train_heads.py")) - (1 if processes == 1 else 0):])
-            .replace(str(ROOT) + "/", "").replace(sys.executable, "python")}
+            .replace(sys.executable, "python").replace(str(ROOT) + "/", "")}
 
 
 def markdown(result: dict) -> str:

@@ -133,15 +133,23 @@ def _child_laws(batch: TreeBatch, rows: torch.Tensor, parent: torch.Tensor, chil
     """
     shape = batch.shape
     laws = shape.laws.to(like.device)[child]  # [b]
-    point = torch.nn.functional.one_hot(batch.tokens[rows, child], like.shape[-1]).to(like)
-    if batch.draft_probs is None:
-        return point
+    is_point = laws == Law.POINT
+    all_point = bool(is_point.all())
+    if all_point or batch.draft_probs is None:
+        return torch.nn.functional.one_hot(batch.tokens[rows, child], like.shape[-1]).to(like)
     row = shape.draft_row.to(like.device)[parent]  # [b], -1 where the parent has only point children
     q = batch.draft_probs[rows, row.clamp_min(0)].to(like)  # [b, V]
-    wor = (laws == Law.WOR)[:, None]
-    q = torch.where(wor & earlier, torch.zeros((), dtype=like.dtype, device=like.device), q)
-    q = torch.where(wor, q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(like.dtype).tiny), q)
-    return torch.where((laws == Law.POINT)[:, None], point, q)
+    wor = laws == Law.WOR
+    if bool(wor.all()):  # without replacement: q over the tokens not drawn before, renormalised
+        q = q.masked_fill(earlier, 0)
+        q = q.div_(q.sum(-1, keepdim=True).clamp_min(torch.finfo(like.dtype).tiny))
+    elif bool(wor.any()):  # (a batch mixing laws in this column: the same, row by row)
+        q = q.masked_fill(wor[:, None] & earlier, 0)
+        q = torch.where(wor[:, None], q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(like.dtype).tiny), q)
+    if bool(is_point.any()):
+        point = torch.nn.functional.one_hot(batch.tokens[rows, child], like.shape[-1]).to(like)
+        q = torch.where(is_point[:, None], point, q)
+    return q
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -174,10 +182,7 @@ def verify_batch(batch: TreeBatch, probs: torch.Tensor, generator: torch.Generat
                       None if batch.draft_probs is None else batch.draft_probs.to(dev))
     kids = shape.children
     width = max(1, max(len(c) for c in kids))
-    table = torch.full((n, width), -1, dtype=torch.long)
-    for u, c in enumerate(kids):
-        table[u, :len(c)] = torch.tensor(c, dtype=torch.long)
-    table = table.to(dev)
+    table = torch.tensor([list(c) + [-1] * (width - len(c)) for c in kids], dtype=torch.long, device=dev)
     floor = residual_floor(probs.dtype)
     at = torch.zeros(B, dtype=torch.long, device=dev)
     next_token = torch.zeros(B, dtype=torch.long, device=dev)
@@ -211,10 +216,14 @@ def verify_batch(batch: TreeBatch, probs: torch.Tensor, generator: torch.Generat
             ok = testing & (coin * law[ar, x] < residual[ar, x])
             accepted = torch.where(ok, child, accepted)
             rejected = testing & ~ok
-            updated = (residual - law).clamp_min(0)
-            mass = updated.sum(-1, keepdim=True)
-            keep = rejected[:, None] & (mass > floor)  # else rounding ate it: the pre-update residual
-            residual = torch.where(keep, updated / mass.clamp_min(floor), residual)
+            if bool(rejected.any()):  # the residual after a rejection (nothing to do when all accepted)
+                updated = (residual - law).clamp_min_(0)
+                mass = updated.sum(-1, keepdim=True)
+                keep = rejected[:, None] & (mass > floor)  # else rounding ate it: the pre-update residual
+                if bool(keep.all()):  # (one tree, or all rejected: no rows to keep as they were)
+                    residual = updated.div_(mass)
+                else:
+                    residual = torch.where(keep, updated.div_(mass.clamp_min(floor)), residual)
             earlier[ar, x] = earlier[ar, x] | testing
         moved = accepted >= 0
         at[walking[moved]] = accepted[moved]
