@@ -274,7 +274,82 @@ def markdown(result: dict) -> str:
             lines += ["", "Target forward over n new tokens after a 512-token cache (bf16, transformers eager + sdpa, median ms):", "",
                       "| n | " + " | ".join(str(k) for k in costs) + " |", "|---" * (len(costs) + 1) + "|",
                       "| ms | " + " | ".join(str(v) for v in costs.values()) + " |"]
+    md = result.get("medusa_training")
+    if md:
+        lines += ["", f"Medusa GPU recipe (`configs/medusa_qwen2.5-7b_gpu.yaml`, `features: {md['features']}`), "
+                  f"{md['target_shape']}-shaped random target in {md['target_dtype']}, {md['heads']} heads, "
+                  f"{md['tokens_per_batch']} tokens per batch in {md['grad_accum']} micro-batches, 1 process: "
+                  f"{md['positions_per_s']:,.0f} trained positions/s ({md['timed_steps']} steps, {md['wall_s']} s); "
+                  f"peak GPU memory {md.get('peak_gpu_memory_gib', '-')} GiB (dry-run estimate "
+                  f"{md.get('dry_run_memory_gib', '-')} GiB)."]
     return "\n".join(lines) + "\n"
+
+
+def medusa_training(device: str, small: bool, steps: int) -> dict:
+    """The Medusa GPU recipe (``configs/medusa_qwen2.5-7b_gpu.yaml``, online features) on a
+    Qwen2.5-7B-shaped random target in bf16, ``optim.grad_accum=4`` (one GPU holds a quarter of
+    the 8k-token batch's vocabulary-sized logits at a time); tokens/s and peak memory."""
+    from accelerate.state import AcceleratorState
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from training.config import load_any
+    from training.dry_run import KNOWN_TARGETS, estimate
+    from training.recipes.medusa import MedusaRecipe
+
+    base = load_any(ROOT / "configs" / "medusa_qwen2.5-7b_gpu.yaml")
+    base = replace(base, optim=replace(base.optim, grad_accum=4))
+    fields = dict(KNOWN_TARGETS[base.target])
+    cfg = base
+    if small:
+        fields |= dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=4096)
+        cfg = replace(cfg, tokens_per_batch=1024, max_len=512, target_dtype="float32",
+                      run=replace(cfg.run, mixed_precision="no", feature_dtype="float32"))
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.target_dtype))
+    model.eval()
+    scale = 8 if small else 1
+    examples = _synthetic_examples(300, 200 // scale, 400 // scale, config.vocab_size)
+    out_dir = Path("/tmp/selfspec_gpu_check_medusa")
+    import shutil
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+    cfg = replace(cfg, target=f"random-weights {cfg.target} shape", export=None, eval_fraction=0.02,
+                  optim=replace(cfg.optim, warmup_steps=2, epochs=1.0),
+                  run=replace(cfg.run, out_dir=str(out_dir), wandb_mode="disabled", log_every=1,
+                              eval_every=10 ** 9, ckpt_every=10 ** 9))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    recipe = MedusaRecipe(cfg, model=model, dataset=examples)
+    recipe.setup()
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    warm = 2
+    recipe.train(stop_at=warm)
+    _sync(device)
+    t1, step0 = time.time(), recipe.step
+    recipe.train(stop_at=warm + steps)
+    _sync(device)
+    wall = time.time() - t1
+    rows = [r for r in recipe.history if "train/loss" in r]
+    from training.features import label_counts
+
+    positions = sum(int(label_counts([recipe.examples[i] for i in recipe.step_items(s)], 1, cfg.max_len, 1)[0])
+                    for s in range(step0, recipe.step))
+    result = {"target_shape": "Qwen2.5-7B" if not small else "toy", "target_dtype": cfg.target_dtype,
+              "features": cfg.features, "heads": cfg.medusa.num_heads, "tokens_per_batch": cfg.tokens_per_batch,
+              "grad_accum": cfg.optim.grad_accum, "timed_steps": recipe.step - step0, "trained_positions": positions,
+              "wall_s": round(wall, 2), "positions_per_s": round(positions / wall, 1),
+              "last_loss": rows[-1]["train/loss"] if rows else None}
+    if device.startswith("cuda"):
+        result["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 1024 ** 3, 2)
+    if not small:
+        est = estimate(base, processes=1, tflops=200.0)
+        result["dry_run_memory_gib"] = est["memory_per_process"]["total_gib"]
+    recipe.cleanup()
+    print(result, flush=True)
+    return result
 
 
 def main(argv=None) -> int:
@@ -284,7 +359,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="toy sizes (rehearse the script on CPU)")
     ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps (after 2 warm-up steps)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["exactness", "training"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["exactness", "training", "medusa"])
     args = ap.parse_args(argv)
     if args.markdown:
         path = Path(args.markdown)
@@ -304,6 +379,11 @@ def main(argv=None) -> int:
         (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     if "training" not in args.skip:
         result["training"] = training(args.device, args.small, args.steps)
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    if "medusa" not in args.skip:
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        result["medusa_training"] = medusa_training(args.device, args.small, args.steps)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     (out / "gpu_check.md").write_text(markdown(result), encoding="utf-8")
     print(json.dumps(result, indent=1))
