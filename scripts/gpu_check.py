@@ -130,60 +130,67 @@ def _synthetic_examples(n: int, prompt_len: int, response_len: int, vocab: int, 
     return out
 
 
-def training(device: str, small: bool, steps: int) -> dict:
-    from accelerate.state import AcceleratorState
+def _random_target(fields: dict, dtype: str, device: str):
+    """A target of the published config ``fields`` with random weights, built on ``device``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    fields = dict(fields)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def _timed_run(recipe_cls, cfg, out_dir: Path, device: str, steps: int, **given):
+    """``cfg`` trained for 2 warm-up steps, then ``steps`` timed ones (no export, evaluation or
+    checkpoint in between); returns the recipe, the first timed step and the timed seconds."""
+    import shutil
+
+    from accelerate.state import AcceleratorState
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+    cfg = replace(cfg, target=f"random-weights {cfg.target} shape", export=None, eval_fraction=0.02,
+                  optim=replace(cfg.optim, warmup_steps=2, epochs=1.0),
+                  run=replace(cfg.run, out_dir=str(out_dir), wandb_mode="disabled", log_every=1,
+                              eval_every=10 ** 9, ckpt_every=10 ** 9))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    recipe = recipe_cls(cfg, **given)
+    recipe.setup()
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    warm = 2
+    recipe.train(stop_at=warm)
+    _sync(device)
+    started, step0 = time.time(), recipe.step
+    recipe.train(stop_at=warm + steps)
+    _sync(device)
+    return recipe, step0, time.time() - started
+
+
+def training(device: str, small: bool, steps: int) -> dict:
     from training.config import load_any
     from training.dry_run import KNOWN_TARGETS, estimate
     from training.recipes.eagle3 import Eagle3Recipe
 
-    path = ROOT / "configs" / "eagle3_llama3.1-8b_gpu.yaml"
-    cfg = load_any(path)
+    cfg = base = load_any(ROOT / "configs" / "eagle3_llama3.1-8b_gpu.yaml")
     fields = dict(KNOWN_TARGETS[cfg.target])
     if small:  # the same code path at toy size (a CPU rehearsal of this script)
         fields |= dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=4096)
         cfg = replace(cfg, tokens_per_batch=2048, max_len=512, eagle3=replace(cfg.eagle3, draft_vocab_size=1024),
                       ttt_steps=3, run=replace(cfg.run, mixed_precision="no"), target_dtype="float32")
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    config._attn_implementation = "sdpa"
     t0 = time.time()
-    dtype = getattr(torch, cfg.target_dtype)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.eval()
+    model = _random_target(fields, cfg.target_dtype, device)
     built = time.time() - t0
     # Lengths like chat distillation: prompts ~200-300 tokens, answers ~400-600.
     scale = 8 if small else 1
-    examples = _synthetic_examples(400, 200 // scale, 400 // scale, config.vocab_size)
-    out_dir = Path("/tmp/selfspec_gpu_check_run")
-    import shutil
-
-    shutil.rmtree(out_dir, ignore_errors=True)
-    base = cfg
-    cfg = replace(cfg, target=f"random-weights {cfg.target} shape", export=None, eval_fraction=0.02, max_eval_examples=8,
-                  optim=replace(cfg.optim, warmup_steps=2, epochs=1.0),
-                  run=replace(cfg.run, out_dir=str(out_dir), wandb_mode="disabled", log_every=1,
-                              eval_every=10 ** 9, ckpt_every=10 ** 9))
-    AcceleratorState._reset_state(reset_partial_state=True)
-    recipe = Eagle3Recipe(cfg, model=model, examples=examples)
-    recipe.setup()
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    warm = 2
-    recipe.train(stop_at=warm)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t1, step0 = time.time(), recipe.step
-    tokens = 0
-    for s in range(warm, warm + steps):
-        tokens += sum(len(recipe.train_set[i]["prompt_ids"]) + len(recipe.train_set[i]["response_ids"])
-                      for i in recipe.step_items(s))
-    recipe.train(stop_at=warm + steps)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    wall = time.time() - t1
+    examples = _synthetic_examples(400, 200 // scale, 400 // scale, model.config.vocab_size)
+    cfg = replace(cfg, max_eval_examples=8)
+    recipe, step0, wall = _timed_run(Eagle3Recipe, cfg, Path("/tmp/selfspec_gpu_check_run"), device, steps,
+                                     model=model, examples=examples)
+    tokens = sum(len(recipe.train_set[i]["prompt_ids"]) + len(recipe.train_set[i]["response_ids"])
+                 for s in range(step0, recipe.step) for i in recipe.step_items(s))
     done = recipe.step - step0
     tps = tokens / wall
     est = {} if small else estimate(base, processes=1, tflops=200.0, tokens=tokens)
@@ -289,49 +296,24 @@ def medusa_training(device: str, small: bool, steps: int) -> dict:
     """The Medusa GPU recipe (``configs/medusa_qwen2.5-7b_gpu.yaml``, online features) on a
     Qwen2.5-7B-shaped random target in bf16, ``optim.grad_accum=4`` (one GPU holds a quarter of
     the 8k-token batch's vocabulary-sized logits at a time); tokens/s and peak memory."""
-    from accelerate.state import AcceleratorState
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from training.config import load_any
     from training.dry_run import KNOWN_TARGETS, estimate
     from training.recipes.medusa import MedusaRecipe
 
     base = load_any(ROOT / "configs" / "medusa_qwen2.5-7b_gpu.yaml")
-    base = replace(base, optim=replace(base.optim, grad_accum=4))
+    cfg = base = replace(base, optim=replace(base.optim, grad_accum=4))
     fields = dict(KNOWN_TARGETS[base.target])
-    cfg = base
     if small:
         fields |= dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=4096)
         cfg = replace(cfg, tokens_per_batch=1024, max_len=512, target_dtype="float32",
                       run=replace(cfg.run, mixed_precision="no", feature_dtype="float32"))
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    config._attn_implementation = "sdpa"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.target_dtype))
-    model.eval()
+    model = _random_target(fields, cfg.target_dtype, device)
     scale = 8 if small else 1
-    examples = _synthetic_examples(300, 200 // scale, 400 // scale, config.vocab_size)
-    out_dir = Path("/tmp/selfspec_gpu_check_medusa")
-    import shutil
-
-    shutil.rmtree(out_dir, ignore_errors=True)
-    cfg = replace(cfg, target=f"random-weights {cfg.target} shape", export=None, eval_fraction=0.02,
-                  optim=replace(cfg.optim, warmup_steps=2, epochs=1.0),
-                  run=replace(cfg.run, out_dir=str(out_dir), wandb_mode="disabled", log_every=1,
-                              eval_every=10 ** 9, ckpt_every=10 ** 9))
-    AcceleratorState._reset_state(reset_partial_state=True)
-    recipe = MedusaRecipe(cfg, model=model, dataset=examples)
-    recipe.setup()
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    warm = 2
-    recipe.train(stop_at=warm)
-    _sync(device)
-    t1, step0 = time.time(), recipe.step
-    recipe.train(stop_at=warm + steps)
-    _sync(device)
-    wall = time.time() - t1
+    examples = _synthetic_examples(300, 200 // scale, 400 // scale, model.config.vocab_size)
+    recipe, step0, wall = _timed_run(MedusaRecipe, cfg, Path("/tmp/selfspec_gpu_check_medusa"), device, steps,
+                                     model=model, dataset=examples)
+    cfg = recipe.cfg
     rows = [r for r in recipe.history if "train/loss" in r]
     from training.features import label_counts
 

@@ -23,7 +23,7 @@ and returns a :class:`Verdict`; it touches no model and no cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -115,6 +115,13 @@ class TreeBatch:
     shape: DraftTree
     tokens: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    laws: torch.Tensor = field(init=False)  # shape.laws on the tokens' device
+    draft_row: torch.Tensor | None = field(init=False)  # shape.draft_row on the tokens' device
+
+    def __post_init__(self) -> None:
+        dev = self.tokens.device
+        object.__setattr__(self, "laws", self.shape.laws.to(dev))
+        object.__setattr__(self, "draft_row", None if self.shape.draft_row is None else self.shape.draft_row.to(dev))
 
     @staticmethod
     def of(tree: DraftTree) -> "TreeBatch":
@@ -131,13 +138,12 @@ def _child_laws(batch: TreeBatch, rows: torch.Tensor, parent: torch.Tensor, chil
         earlier: ``[b, V]`` bool, the tokens of the earlier siblings (excluded from a WOR draw).
         like: ``[b, V]`` tensor whose dtype and device the laws take.
     """
-    shape = batch.shape
-    laws = shape.laws.to(like.device)[child]  # [b]
+    laws = batch.laws[child]  # [b]
     is_point = laws == Law.POINT
     all_point = bool(is_point.all())
     if all_point or batch.draft_probs is None:
         return torch.nn.functional.one_hot(batch.tokens[rows, child], like.shape[-1]).to(like)
-    row = shape.draft_row.to(like.device)[parent]  # [b], -1 where the parent has only point children
+    row = batch.draft_row[parent]  # [b], -1 where the parent has only point children
     q = batch.draft_probs[rows, row.clamp_min(0)].to(like)  # [b, V]
     wor = laws == Law.WOR
     if bool(wor.all()):  # without replacement: q over the tokens not drawn before, renormalised

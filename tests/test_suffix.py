@@ -117,7 +117,7 @@ def test_past_outputs_are_remembered_within_a_token_budget():
 
 def _point_always_accepted(batch, rows, parent, child, earlier, like):
     """Lossy: a point-mass draft treated as if drawn from the target's own law (never rejected)."""
-    point = (batch.shape.laws.to(like.device)[child] == 0)[:, None]
+    point = (batch.laws[child] == 0)[:, None]
     return torch.where(point, like, _exact_child_laws(batch, rows, parent, child, earlier, like))
 
 

@@ -50,6 +50,19 @@ def tiny_config(tmp_path, **run) -> HeadsTrainConfig:
     ] + [f"run.{k}={v}" for k, v in run.items()])
 
 
+def cut_and_resumed(make, stop_at: int, checkpointed: int):
+    """A run from ``make()`` stopped at step ``stop_at`` (as if killed), then a new one resumed from
+    its last checkpoint (step ``checkpointed``) and trained to the end; returns the resumed run."""
+    cut = make()
+    cut.setup()
+    cut.train(stop_at=stop_at)
+    resumed = make()
+    resumed.setup(resume=True)
+    assert resumed.step == checkpointed
+    resumed.train()
+    return resumed
+
+
 def test_head_labels_shift_by_head():
     tokens = torch.arange(10, 20)
     pos, lab = head_labels(tokens, prompt_len=4, num_heads=2)
@@ -88,14 +101,8 @@ def test_resume_continues_from_the_saved_step(tmp_path):
     full = recipe_for(tiny_config(tmp_path / "a"), model=model, dataset=data)
     full.setup()
     full.train()
-    # the same run, "killed" after its first checkpoint (step 5), then resumed
-    cut = recipe_for(tiny_config(tmp_path / "b"), model=model, dataset=data)
-    cut.setup()
-    cut.train(stop_at=7)  # killed two steps after the checkpoint at step 5: those two are lost
-    resumed = recipe_for(tiny_config(tmp_path / "b"), model=model, dataset=data)
-    resumed.setup(resume=True)
-    assert resumed.step == 5
-    resumed.train()
+    # the same run, "killed" two steps after its first checkpoint (step 5), then resumed: those two are lost
+    resumed = cut_and_resumed(lambda: recipe_for(tiny_config(tmp_path / "b"), model=model, dataset=data), 7, 5)
     for a, b in zip(full.trainable.parameters(), resumed.trainable.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -193,13 +200,7 @@ def test_online_training_lowers_loss_resumes_exactly_and_exports(tmp_path, kind)
     summary = full.export()
     assert summary["features"] == "online" and not (tmp_path / "a" / "features.safetensors").exists()
     assert full.total_steps > 6
-    cut = recipe_for(config(tmp_path / "b"), model=model, dataset=data)
-    cut.setup()
-    cut.train(stop_at=5)
-    resumed = recipe_for(config(tmp_path / "b"), model=model, dataset=data)
-    resumed.setup(resume=True)
-    assert resumed.step == 3
-    resumed.train()
+    resumed = cut_and_resumed(lambda: recipe_for(config(tmp_path / "b"), model=model, dataset=data), 5, 3)
     for a, b in zip(full.trainable.parameters(), resumed.trainable.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert selfspec.load_drafter(tmp_path / "a" / "exported", model).kind == kind

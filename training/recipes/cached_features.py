@@ -189,26 +189,15 @@ class CachedFeatureRecipe(TrainingRun):
         self.examples = [rows[i] for i in usable if i not in held]
         evals = [rows[i] for i in usable if i in held]
         self.batches = length_buckets(self.examples, cfg.max_len, cfg.tokens_per_batch)
-        self.eval_set = self._online_features(evals, chunk=8)
+        self.eval_set = build_features(self.model, evals, self.num_outputs, max_len=cfg.max_len,
+                                       dtype=getattr(torch, cfg.run.feature_dtype), exit_layer=self.exit_layer,
+                                       first=self.first, progress=False)
 
-    def _online_features(self, examples: list[dict], chunk: int | None = None) -> FeatureCache:
-        """The target's features for ``examples`` (in chunks of ``chunk`` examples, concatenated)."""
-        parts = [examples] if chunk is None else [examples[i:i + chunk] for i in range(0, len(examples), chunk)]
-        caches = [batch_features(self.model, part, self.num_outputs, max_len=self.cfg.max_len,
-                                 dtype=getattr(torch, self.cfg.run.feature_dtype), exit_layer=self.exit_layer,
-                                 first=self.first) for part in parts]
-        if len(caches) == 1:
-            return caches[0]
-        offset, hidden, exits, pos, lab, ex = 0, [], [], [], [], []
-        for base, c in zip(range(0, len(examples), chunk), caches):
-            hidden.append(c.hidden)
-            exits.append(c.exit_hidden)
-            pos.append(c.positions + offset)
-            lab.append(c.labels)
-            ex.append(c.example + base)
-            offset += c.hidden.shape[0]
-        return FeatureCache(torch.cat(hidden), torch.cat(pos), torch.cat(lab), torch.cat(ex),
-                            None if exits[0] is None else torch.cat(exits))
+    def _online_features(self, examples: list[dict]) -> FeatureCache:
+        """The target's features for ``examples``, in one padded pass (this step's items)."""
+        return batch_features(self.model, examples, self.num_outputs, max_len=self.cfg.max_len,
+                              dtype=getattr(torch, self.cfg.run.feature_dtype), exit_layer=self.exit_layer,
+                              first=self.first)
 
     def _split(self, feats: FeatureCache) -> tuple[FeatureCache, FeatureCache]:
         held = self._held_out(int(feats.example.max()) + 1)
