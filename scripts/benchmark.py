@@ -7,7 +7,9 @@ Question files: Spec-Bench format (``question_id``, ``category``, ``turns``; mul
 turn by turn) or BFCL format (``question`` messages + ``function`` tools in the system message).
 Methods: selfspec drafter specs (``ngram``, ``medusa`` / ``layerskip`` = the shipped checkpoints, a
 checkpoint folder, ``kind:key=value``, ``a+b`` unions, ``spec@key=value`` tree options, ``spec#fixed``
-to draft every step without the adaptive fallback) and peers on the same model through
+to draft every step without the adaptive fallback, ``spec%dtype`` to run it on a copy of the target
+loaded in that dtype, e.g. ``none%bfloat16`` = plain bf16 decoding, against the main ``--dtype``
+baseline) and peers on the same model through
 ``transformers.generate``: ``hf-greedy``, ``hf-prompt-lookup[:N]``, ``hf-early-exit:E``.
 Writes <out>.json (args, command, summary, records), <out>.md (command + table) and
 <out>_speedup.png / <out>_acceptance.png. Finished turns are appended to <out>.partial.jsonl as
@@ -91,8 +93,18 @@ def main(argv=None) -> None:
             keep = 1 if args.first_turn_only else args.max_turns
             qs = [q.__class__(q.question_id, q.category, q.turns[:keep], q.system, q.meta) for q in qs]
         questions += qs
-    methods = {spec: benchmark.method_from_spec(model, spec, args.model, not args.no_adaptive, tokenizer)
-               for spec in args.methods}
+    others: dict[str, object] = {}  # dtype -> another copy of the target, for `spec%dtype` methods
+
+    def method(spec: str):
+        spec, _, dtype = spec.partition("%")
+        if not dtype:
+            return benchmark.method_from_spec(model, spec, args.model, not args.no_adaptive, tokenizer)
+        if dtype not in others:
+            others[dtype] = selfspec.load_target(args.model, dtype=dtype)[0]
+        return benchmark.OnModel(others[dtype], benchmark.method_from_spec(
+            others[dtype], spec, args.model, not args.no_adaptive, tokenizer))
+
+    methods = {spec: method(spec) for spec in args.methods}
     partial = args.out + ".partial.jsonl" if args.out else None
     settings = {k: vars(args)[k] for k in ("model", "max_new_tokens", "temperature", "no_adaptive", "dtype", "constrain")}
     done = []

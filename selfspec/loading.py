@@ -100,6 +100,17 @@ def _decode_step_seconds(dtype, device: str, reps: int = 20) -> float:
 
     x, wq, wk, wg, wu, wd = rand(1, 576), rand(576, 576), rand(192, 576), rand(1536, 576), rand(1536, 576), rand(576, 1536)
     kv, linear = rand(9, 300, 64), torch.nn.functional.linear
+    from .prepack import PrepackedLinear, prepack_available
+
+    if prepack_available(dtype, device):  # what load_target will run: weights packed once
+        packed = {}
+        for w in (wq, wk, wg, wu, wd):
+            layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
+            layer.weight = torch.nn.Parameter(w, requires_grad=False)
+            packed[id(w)] = PrepackedLinear.wrap(layer)
+
+        def linear(h, w):  # noqa: F811
+            return packed[id(w)](h)
 
     def step(h):
         r = h
@@ -154,7 +165,7 @@ def resolve_dtype(dtype, device: str = "cpu") -> torch.dtype:
 
 
 def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str | None = None, device=None,
-                allow_download: bool = False):
+                allow_download: bool = False, prepack: bool | None = None):
     """Load a target model and its tokenizer.
 
     Args:
@@ -166,15 +177,25 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
             measures faster, else float32.
         device: default ``"cuda"`` when available, else ``"cpu"``.
         allow_download: let a hub id download (off by default: nothing is fetched at run time).
+        prepack: reorder the linear layers' weights once into oneDNN's layout
+            (:mod:`selfspec.prepack`): a bf16 tree pass then costs about one decode step. Default:
+            wherever it is available (a bf16 model on a CPU with native bf16); ``True`` where it
+            is not raises.
 
     Returns:
         ``(model, tokenizer)`` with the model in eval mode.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    where, gguf_file = resolve(name_or_path)
+    from .prepack import prepack_available, prepack_linears
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(dtype, device)
+    available = prepack_available(dtype, device)
+    if prepack and not available:
+        raise ValueError(f"prepack=True needs a bfloat16 model on a CPU with native bf16 matmuls and oneDNN; "
+                         f"got {str(dtype).removeprefix('torch.')} on {device}")
+    where, gguf_file = resolve(name_or_path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     if not allow_download:
         kwargs["local_files_only"] = True
@@ -190,4 +211,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
             f"could not load target {name_or_path!r}: not an alias ({known}), a local folder or "
             f".gguf file, and {how} ({err})"
         ) from err
-    return model.to(device).eval(), tokenizer
+    model = model.to(device).eval()
+    if available and prepack is not False:
+        prepack_linears(model)
+    return model, tokenizer
