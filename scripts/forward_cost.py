@@ -1,0 +1,75 @@
+"""What one target pass over n new tokens costs here, per dtype and weight layout, side by side.
+
+    python scripts/forward_cost.py --out docs/results/r8_forward_cost
+
+Loads the target three times in one process (float32; bfloat16 with ``nn.Linear``; bfloat16 with
+prepacked weights, :mod:`selfspec.prepack`) and measures, interleaved so load drifts hit all
+three alike, the median seconds of a decoder + LM head pass over n new tokens after a 256-token
+cache (``selfspec.measurement.calibration.verify_costs``): n = 1 is a plain decode step, larger n a
+verified draft tree. Writes <out>.json (command, provenance, costs) and <out>.md (a table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import selfspec  # noqa: E402
+from selfspec.measurement import benchmark  # noqa: E402
+from selfspec.measurement.calibration import verify_costs  # noqa: E402
+
+SETUPS = {  # name -> load_target keyword arguments
+    "float32": dict(dtype="float32"),
+    "bfloat16": dict(dtype="bfloat16", prepack=False),
+    "bfloat16 prepacked": dict(dtype="bfloat16", prepack=True),
+}
+
+
+def table(costs: dict[str, dict[int, float]]) -> str:
+    sizes = sorted(next(iter(costs.values())))
+    lines = ["| setup | " + " | ".join(f"n={n}" for n in sizes) + " | n=8 / n=1 |",
+             "|---|" + "---|" * (len(sizes) + 1)]
+    for name, c in costs.items():
+        cells = " | ".join(f"{1000 * c[n]:.1f}" for n in sizes)
+        lines.append(f"| {name} | {cells} | {c[8] / c[1]:.2f} |" if 8 in c and 1 in c else f"| {name} | {cells} | - |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=selfspec.DEFAULT_TARGET)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best median per cell is kept")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    prov = benchmark.provenance()
+    models = {name: selfspec.load_target(args.target, **kw)[0] for name, kw in SETUPS.items()}
+    costs = {name: {n: float("inf") for n in args.sizes} for name in models}
+    for _ in range(args.rounds):
+        for name, model in models.items():
+            for n, s in verify_costs(model, args.sizes).items():
+                costs[name][n] = min(costs[name][n], s)
+    command = "python scripts/forward_cost.py " + " ".join(argv or sys.argv[1:])
+    text = (f"`{command}`\n\nMilliseconds per target pass (decoder + LM head) over n new tokens after a "
+            f"256-token cache, {torch.get_num_threads()} threads:\n\n{table(costs)}\n")
+    print(text)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    tmp = args.out + ".json.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"command": command, "provenance": prov, "threads": torch.get_num_threads(),
+                   "seconds": {k: {str(n): s for n, s in v.items()} for k, v in costs.items()}}, f, indent=1)
+    os.replace(tmp, args.out + ".json")
+    with open(args.out + ".md", "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
