@@ -177,3 +177,62 @@ def test_union_is_at_least_as_fast_as_its_best_member(head_keys, first_match):
     assert speeds["lookup"] > 1.3 and speeds["slow"] < 1.0, speeds  # the race is meaningful
     assert speeds["union"] >= 0.95 * best, speeds
     assert speeds["merged"] < 0.95 * best, speeds  # the negative control fails the same bound
+
+
+def test_merged_steps_credit_each_member_with_what_it_alone_would_have_accepted():
+    """Paired estimates: on a merged step, a member alone is credited with the accepted path's
+    longest prefix of its own nodes plus the next token. An oracle chain of 3 earns 4 a step, a
+    member that is always wrong earns 1; the merge's own steps are counted for the merge."""
+    cfg, prompt = SamplingConfig(0.0), torch.tensor([1, 2])
+    reference = decode(table_target(), prompt, None, cfg, torch.Generator(), 140, set(), 1000).sequences[0].tolist()
+
+    class AlwaysMerged(UnionDrafter):
+        def _choose_arm(self, ctx):
+            super()._choose_arm(ctx)
+            merge = len(self.arms) - 1
+            self._pending = (self._pending[0], merge, *self._pending[2:])  # timed as what it runs
+            return merge
+
+    good = OracleDrafter(reference, 6, depth=3, sibling=False)
+    bad = OracleDrafter(reference, 6, depth=3, sibling=False, corrupt=lambda pos, tok: (tok + 1) % 6)
+    union = AlwaysMerged([good, bad], min_value=0.0, clock=step_clock())
+    out = decode(table_target(), prompt, union, cfg, torch.Generator(), 100, set(), 1000)
+    assert out.sequences[0].tolist() == reference[:102]
+    per_step = {m: union.token_sums[(1 + m, (0,))] for m in (0, 1)}
+    assert per_step[0][0] / per_step[0][1] == pytest.approx(4.0, abs=0.2)
+    assert per_step[1][0] / per_step[1][1] == pytest.approx(1.0)
+    assert set(union.second_sums) == {(3, (0, 0))}  # seconds come from an arm's own steps only
+
+
+def test_union_drops_a_head_that_only_repeats_the_lookup():
+    """A head right at one position in three, wherever it is (so never worth its cost alone: plain
+    steps beat it), and prompt lookup right five deep in two stretches of three. Where the lookup
+    matches, the head's right nodes are the lookup's own, so a merge accepts what the lookup alone
+    accepts and pays the head's cost on top. The union must keep up with the lookup member alone
+    (the workload where it lost before paired estimates: extraction and copying)."""
+    clock = _Clock(seed=1)
+    reference = decode(table_target(), torch.tensor([1, 2]), None, SamplingConfig(0.0), torch.Generator(),
+                       420, set(), 1000).sequences[0].tolist()
+
+    class Lookup(OracleDrafter):
+        def context_key(self, ctx):
+            return int((ctx.tokens.shape[0] // 30) % 3 != 2)
+
+        def propose(self, ctx):
+            clock.spend(0.01)
+            return super().propose(ctx) if self.context_key(ctx) else DraftTree.root_only(ctx.root_token)
+
+    class Echo(OracleDrafter):
+        def propose(self, ctx):
+            clock.spend(0.25)
+            return super().propose(ctx)
+
+    def members():
+        return (Echo(reference, 6, depth=2, sibling=False, corrupt=lambda pos, tok: tok if pos % 3 == 0 else (tok + 1) % 6),
+                Lookup(reference, 6, depth=5, sibling=False))
+
+    echo, lookup = members()
+    speeds = _race({"echo": echo, "lookup": lookup, "union": UnionDrafter(list(members()), clock=clock)},
+                   reference, clock)
+    assert speeds["lookup"] > 1.3 and speeds["echo"] < 1.05, speeds
+    assert speeds["union"] >= 0.95 * speeds["lookup"], speeds  # the bound of the race above

@@ -109,6 +109,15 @@ class UnionDrafter(Drafter):
         # decayed [tokens, seconds] per (arm, the keys of the arm's members) and per arm over all keys
         self.sums: dict[tuple[int, tuple[int, ...]], list[float]] = {}
         self.pooled_sums: list[list[float] | None] = [None] * len(self.arms)
+        # the two factors of an arm's speed, kept apart (see `estimates`): decayed [tokens, steps]
+        # over the arm's own steps *and* the merged steps it took part in (what it alone would have
+        # accepted there: paired with the merge on the same steps), and [seconds, steps] of its own
+        # steps only
+        self.token_sums: dict[tuple[int, tuple[int, ...]], list[float]] = {}
+        self.second_sums: dict[tuple[int, tuple[int, ...]], list[float]] = {}
+        self.pooled_seconds: list[list[float] | None] = [None] * len(self.arms)
+        # per (context state, member): decayed [merge's tokens, the member's alone] over merged steps
+        self.paired: dict[tuple[tuple[int, ...], int], list[float]] = {}
         self.state_steps: dict[tuple[int, ...], int] = {}
         self.arm_steps = [0] * len(self.arms)  # how many steps each arm ran (diagnostics)
         self.probe_every, self.rate_decay, self.clock = probe_every, rate_decay, clock
@@ -125,10 +134,9 @@ class UnionDrafter(Drafter):
 
     @property
     def rates(self) -> dict[tuple[int, ...], list[float | None]]:
-        """Measured tokens/s of each arm (``None``: not run under this state's keys), per context
-        state seen."""
-        return {state: [_ratio(self.sums.get((a, self.arm_key(a, state)))) for a in range(len(self.arms))]
-                for state in self.state_steps}
+        """Estimated tokens/s of each arm (``None``: no tokens measured under this state's keys),
+        per context state seen."""
+        return {state: [self._own_estimate(a, state) for a in range(len(self.arms))] for state in self.state_steps}
 
     @property
     def pooled(self) -> list[float | None]:
@@ -164,6 +172,10 @@ class UnionDrafter(Drafter):
         self.sums[key] = [d * old[0] + tokens, d * old[1] + seconds]
         old = self.pooled_sums[arm] or [0.0, 0.0]
         self.pooled_sums[arm] = [d * old[0] + tokens, d * old[1] + seconds]
+        _accumulate(self.token_sums, key, tokens, d)
+        _accumulate(self.second_sums, key, seconds, d)
+        old = self.pooled_seconds[arm] or [0.0, 0.0]
+        self.pooled_seconds[arm] = [d * old[0] + seconds, d * old[1] + 1.0]
 
     def _choose_arm(self, ctx: DraftContext) -> int:
         """Close the timing of the previous step, then pick this step's arm."""
@@ -176,13 +188,8 @@ class UnionDrafter(Drafter):
                     self._record(0, state, tokens, now - start)
                 if probe:  # a probed arm that still loses is probed less often (at once the least
                     guess = self.estimates(state)  # often when it is worse than half the best)
-                    best = max((r or 0.0) for a, r in enumerate(guess) if a != arm)
                     key = (arm, self.arm_key(arm, state))
-                    rate = guess[arm] or 0.0
-                    wait = self.probe_wait.get(key, self.probe_every)
-                    self.probe_wait[key] = (self.max_probe_wait if rate < 0.5 * best else
-                                            min(self.max_probe_wait, 2 * wait) if rate < (1 - self.probe_margin) * best
-                                            else self.probe_every)
+                    self.probe_wait[key] = self._next_wait(guess, arm, self.probe_wait.get(key, self.probe_every))
         start = self.clock()  # the state's own cost counts towards the step it decides
         state = self._state = tuple(m.context_key(ctx) for m in self.members)
         keys = [(a, self.arm_key(a, state)) for a in range(len(self.arms))]
@@ -201,8 +208,15 @@ class UnionDrafter(Drafter):
             # at most one probe per probe_every steps; an arm is due after its own wait, counted
             # per (arm, its members' keys): plain steps are probed once for all states, a member
             # per its own key, the merge per state (unmeasured first, then the longest due)
+            for a in range(len(self.arms)):  # keys seen for the first time: an arm whose borrowed
+                if a != best and not measured[a] and keys[a] not in self.probe_wait:  # estimate loses
+                    wait = self._next_wait(guess, a, self.probe_every)  # clearly waits from now on, as if
+                    if wait > self.probe_every:  # just probed (else each new state's merge is due at once)
+                        self.probe_wait[keys[a]], self.last_probe[keys[a]] = wait, self.steps
+            # (never where the arm's estimate is under half the best: a probe there costs the most,
+            # and an arm keyed on fewer members than the state, e.g. plain, is probed where it may win)
             due = [] if self.steps < self.last_probe.get(None, 0) + self.probe_every else [
-                a for a in range(len(self.arms)) if a != best
+                a for a in range(len(self.arms)) if a != best and (guess[a] or 0.0) >= 0.5 * (guess[best] or 0.0)
                 and self.steps >= self.last_probe.get(keys[a], 0) + self.probe_wait.get(keys[a], self.probe_every)]
             due.sort(key=lambda a: (measured[a], self.last_probe.get(keys[a], 0)))
             arm, probe = (due[0], True) if due else (best, False)
@@ -211,6 +225,18 @@ class UnionDrafter(Drafter):
         self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe, False)
         self.arm_steps[arm] += 1
         return arm
+
+    def _next_wait(self, guess: list[float | None], arm: int, wait: int) -> int:
+        """Steps until ``arm`` is probed again under the keys it was estimated for: the longest wait
+        when its estimate is under half the best other arm's, twice ``wait`` when it is more than
+        ``probe_margin`` below it, else ``probe_every``."""
+        best = max((r or 0.0) for a, r in enumerate(guess) if a != arm)
+        rate = guess[arm] or 0.0
+        if rate < 0.5 * best:
+            return self.max_probe_wait
+        if rate < (1 - self.probe_margin) * best:
+            return min(self.max_probe_wait, 2 * wait)
+        return self.probe_every
 
     def _best(self, guess: list[float | None]) -> int:
         """The arm to run: the fastest estimate, unless a simpler arm (fewer members: plain, then
@@ -222,11 +248,38 @@ class UnionDrafter(Drafter):
         return min(near, key=lambda a: (len(self.arms[a]), -(guess[a] or 0.0)))
 
     def estimates(self, state: tuple[int, ...]) -> list[float | None]:
-        """Estimated tokens/s of each arm in context ``state`` (measured under the keys of its own
-        members, else the arm's speed over all states, else ``None``)."""
+        """Estimated tokens/s of each arm in context ``state`` (under the keys of its own members,
+        else the arm's speed over all states, else ``None``)."""
         pooled = self.pooled
-        own = [_ratio(self.sums.get((a, self.arm_key(a, state)))) for a in range(len(self.arms))]
+        own = [self._own_estimate(a, state) for a in range(len(self.arms))]
         return [r if r is not None else pooled[a] for a, r in enumerate(own)]
+
+    def _own_estimate(self, arm: int, state: tuple[int, ...]) -> float | None:
+        """Tokens per step over seconds per step of ``arm`` under its members' keys in ``state``.
+
+        Tokens per step count the arm's own steps and, for a member alone, the merged steps it took
+        part in under the same key, at what it alone would have accepted there (the accepted path's
+        longest prefix of its own nodes, plus the next token; its nodes dropped from the merge
+        make this a lower bound). Those are paired with the merge on the same steps, so the two
+        arms are compared on equal luck, not on different stretches of text: where a member alone
+        accepts what the merge accepts, the merge's extra drafting and verify cost decide, as they
+        should. Seconds per step come from the arm's own steps only (over all states while it has
+        none under this key): a step's cost varies far less than its accepted length."""
+        key = (arm, self.arm_key(arm, state))
+        tokens = self.token_sums.get(key)
+        seconds = self.second_sums.get(key) or self.pooled_seconds[arm]
+        if seconds is None or seconds[0] <= 0:
+            return None
+        per_step = None if tokens is None or tokens[1] <= 0 else tokens[0] / tokens[1]
+        if len(self.arms[arm]) > 1:  # the merge: its paired gain over its best member alone
+            members = [(self._own_estimate(1 + m, state) or 0.0, m) for m in self.arms[arm]
+                       if (state, m) in self.paired]
+            if members:
+                m = max(members)[1]
+                ratio = self.paired[(state, m)]
+                own = self.token_sums.get((1 + m, self.arm_key(1 + m, state)))
+                per_step = ratio[0] / ratio[1] * own[0] / own[1]
+        return None if per_step is None else per_step / (seconds[0] / seconds[1])
 
     def _best_first(self, member: int) -> float:
         """The highest value a depth-1 node of ``member`` can get (its best measured rank there;
@@ -297,6 +350,15 @@ class UnionDrafter(Drafter):
             self.tests[key] *= self.decay
             self.hits[key] = self.hits.get(key, 0.0) * self.decay
         accepted = set(verdict.path)
+        if len(self._asked) > 1 and self._pending is not None:  # a merged step: what each member
+            state = self._pending[0]  # alone would have accepted on it (paired estimate, above)
+            for m in self._asked:
+                alone = next((i for i, node in enumerate(verdict.path[1:])
+                              if node >= len(self._sources) or all(src[0] != m for src in self._sources[node])),
+                             verdict.num_accepted)
+                _accumulate(self.token_sums, (1 + m, self.arm_key(1 + m, state)), alone + 1.0, self.rate_decay)
+                old, d = self.paired.get((state, m)) or [0.0, 0.0], self.rate_decay
+                self.paired[(state, m)] = [d * old[0] + verdict.num_accepted + 1.0, d * old[1] + alone + 1.0]
         parents = tree.parents.tolist()
         for node in range(1, min(tree.num_nodes, len(self._sources))):
             if parents[node] in accepted:
@@ -306,6 +368,12 @@ class UnionDrafter(Drafter):
                         self.hits[src] = self.hits.get(src, 0.0) + 1.0
         for m in sorted(self._asked):
             self.members[m].observe(ctx, tree, verdict)
+
+
+def _accumulate(sums: dict, key, value: float, decay: float) -> None:
+    """Decayed ``[sum of values, count]`` under ``key``."""
+    old = sums.get(key) or [0.0, 0.0]
+    sums[key] = [decay * old[0] + value, decay * old[1] + 1.0]
 
 
 def _ratio(sums: list[float] | None) -> float | None:
