@@ -182,8 +182,10 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
         for p in results:
             data = json.loads((ROOT / p).read_text(encoding="utf-8"))
             for method, row in data["summary"]["overall"].items():  # the shipped alias or this folder, unmodified
-                if method == meta["kind"] or method.rstrip("/").endswith("/" + ckpt.name):
-                    alone.append((data.get("args", {}).get("title") or p, row["speedup"]))
+                spec, _, dtype = method.partition("%")  # (`%dtype`: on a copy of the target in that dtype)
+                if spec == meta["kind"] or spec.rstrip("/").endswith("/" + ckpt.name):
+                    title = data.get("args", {}).get("title") or p
+                    alone.append((f"{title} [{dtype} target]" if dtype else title, row["speedup"]))
         if alone:
             verdict = ("pays on this machine" if min(v for _, v in alone) >= 1.0 else
                        "does not pay on this machine yet (alone, below plain decoding where marked < 1.00x)")

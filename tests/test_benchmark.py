@@ -141,3 +141,17 @@ def test_model_cards_match_their_checkpoints_and_result_files():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["--all", "--check"]) == 0
+
+
+def test_a_method_on_another_copy_of_the_target(tmp_path):
+    """``spec%dtype`` (``benchmark.OnModel``): the method runs on its own model, against the main
+    baseline on the same prompts; its differences are not diagnosed on the main model."""
+    tok = tiny_tokenizer(128)
+    model, other = tiny_model("llama", vocab=len(tok)), tiny_model("llama", vocab=len(tok), seed=7)
+    methods = {"same%copy": benchmark.OnModel(tiny_model("llama", vocab=len(tok)), benchmark.SelfspecMethod(None)),
+               "other%copy": benchmark.OnModel(other, benchmark.SelfspecMethod(None))}
+    records = benchmark.run(model, tok, _questions(tmp_path), methods, max_new_tokens=8, progress=False)
+    summary = benchmark.summarise(records)["overall"]
+    assert summary["same%copy"]["identical_share"] == 1.0  # an equal copy: the baseline's text
+    assert summary["other%copy"]["identical_share"] < 1.0  # it really ran on its own model
+    assert all(r.divergence is None for r in records if r.method == "other%copy")
