@@ -23,12 +23,15 @@ def lm_logits(model, hidden: torch.Tensor, head: nn.Module | None = None) -> tor
     """``[..., H]`` -> ``[..., V]`` logits through ``head`` (default: the model's output
     embeddings), plus the model's final logit soft-capping if its config has one."""
     head = head if head is not None else model.get_output_embeddings()
-    if type(head) is nn.Linear:
+    if isinstance(head, nn.Linear):
         # (models split over devices; a float32 trainable head over a bf16 target's LM head)
         flat = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.device, head.weight.dtype)
-        logits = (head.weight @ flat.T).T  # [N, V]: the fast layout for few rows
-        if head.bias is not None:
-            logits = logits + head.bias
+        if type(head) is nn.Linear:
+            logits = (head.weight @ flat.T).T  # [N, V]: the fast layout for few rows
+            if head.bias is not None:
+                logits = logits + head.bias
+        else:  # e.g. selfspec.prepack.PrepackedLinear: its own kernel is the fast one
+            logits = head(flat)
         logits = logits.reshape(*hidden.shape[:-1], -1)
     else:
         logits = head(hidden)

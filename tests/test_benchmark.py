@@ -147,7 +147,9 @@ def test_a_method_on_another_copy_of_the_target(tmp_path):
     """``spec%dtype`` (``benchmark.OnModel``): the method runs on its own model, against the main
     baseline on the same prompts; its differences are not diagnosed on the main model."""
     tok = tiny_tokenizer(128)
-    model, other = tiny_model("llama", vocab=len(tok)), tiny_model("llama", vocab=len(tok), seed=7)
+    model, other = tiny_model("llama", vocab=len(tok)), tiny_model("llama", vocab=len(tok))
+    torch.manual_seed(5)
+    other.lm_head = torch.nn.Linear(32, len(tok), bias=False, dtype=torch.float64)  # its own (untied) head
     methods = {"same%copy": benchmark.OnModel(tiny_model("llama", vocab=len(tok)), benchmark.SelfspecMethod(None)),
                "other%copy": benchmark.OnModel(other, benchmark.SelfspecMethod(None))}
     records = benchmark.run(model, tok, _questions(tmp_path), methods, max_new_tokens=8, progress=False)
