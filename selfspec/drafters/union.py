@@ -36,6 +36,11 @@ finds it still more than 10% slower than the best is probed half as often (down 
 ``16 * probe_every`` steps; at once that rarely when it runs at less than half the best; back to
 every ``probe_every`` once within 10%), so exploring clearly losing arms costs little even in short
 generations. A member's step that drafted nothing is a plain step and also measures the plain arm.
+Arms are compared on the same steps where possible (*paired estimates*, see
+:meth:`UnionDrafter._own_estimate`): a merged step credits each member with what it alone would
+have accepted there, and the merge's speed is its paired gain over its best member; comparing arms
+only on the different stretches each ran made a merge look faster than prompt lookup alone by
+luck. An arm is not probed where its estimate is under half the best (a probe costs most there).
 A simpler arm within 5% of the fastest estimate is preferred to it (estimates are noisy, and the
 luckiest arm would otherwise be chosen: a merge must be clearly faster than a member alone).
 So in every state the union runs what its best member
