@@ -19,6 +19,8 @@ Invariants:
   its forward differs, and only in inference: with gradients wanted it is ``F.linear``.
 * The packed copy is a function of the weight: it is rebuilt when the weight's version counter or
   storage changes (an in-place update, ``load_state_dict``, ``.to``), so it is never stale.
+* Memory: the packed copy sits beside the weight (one more copy of the linear weights, 270 MB for
+  SmolLM2-135M in bf16); the original stays for training, export and ``state_dict``.
 * Each output row depends on its own input row only, as with ``F.linear``: the kernel's result for
   a row is bitwise the same whether it is computed alone or among others (tested).
 """
