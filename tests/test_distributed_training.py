@@ -152,3 +152,64 @@ def test_a_failure_on_one_rank_ends_the_run_with_its_error(tmp_path):
     resumed = subprocess.run(_cmd(cfg, run, None, "--resume"), env=_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import psutil
+
+    try:
+        group = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        return
+    for p in group:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_path):
+    """A one-process run SIGKILLed again and again at seeded random moments (a random delay after
+    each new checkpoint, so some kills land inside a checkpoint write or between writes), resumed
+    with ``--resume`` each time, ends with the weights of a run never interrupted: every kill left a
+    whole checkpoint and resuming from it is exact."""
+    import random
+
+    cfg = _setup(tmp_path)
+    ref = tmp_path / "ref"
+    done = subprocess.run(_cmd(cfg, ref, None), env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    total = json.loads((ref / "checkpoint" / "train_state.json").read_text())["step"]
+
+    rng = random.Random(0)
+    run = tmp_path / "killed"
+    state = run / "checkpoint" / "train_state.json"
+    kills, seen, finished = 0, 0, False
+    for attempt in range(8):
+        extra = ("--resume",) if state.parent.exists() else ()
+        proc = subprocess.Popen(_cmd(cfg, run, None, *extra), env=_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        start, deadline = seen, time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                seen = json.loads(state.read_text())["step"]
+            except (OSError, ValueError, KeyError):
+                pass
+            if seen > start and attempt < 4:  # progress since the last resume: kill soon, anywhere
+                time.sleep(rng.uniform(0.0, 0.4))
+                _kill_group(proc)
+                kills += 1
+                break
+            time.sleep(0.01)
+        proc.wait(timeout=60)
+        err = proc.stderr.read()
+        if proc.returncode == 0:
+            finished = True
+            break
+        assert proc.returncode == -signal.SIGKILL, err[-3000:]
+    assert finished and kills >= 3, (kills, finished)
+    assert json.loads(state.read_text())["step"] == total
+    a, b = _weights(ref), _weights(run)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)

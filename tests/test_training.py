@@ -204,3 +204,12 @@ def test_online_training_lowers_loss_resumes_exactly_and_exports(tmp_path, kind)
     for a, b in zip(full.trainable.parameters(), resumed.trainable.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert selfspec.load_drafter(tmp_path / "a" / "exported", model).kind == kind
+
+
+def test_overrides_keep_yaml_1_1_words_as_strings():
+    """``run.mixed_precision=no`` must reach accelerate as the word ``no`` (YAML 1.1 reads it as
+    False, which accelerate rejects); ``true`` / ``false`` still give booleans."""
+    from training.config import apply_overrides
+
+    data = apply_overrides({}, ["run.mixed_precision=no", "a.b=true", "a.c=False", "a.d=3", "a.e=on"])
+    assert data == {"run": {"mixed_precision": "no"}, "a": {"b": True, "c": False, "d": 3, "e": "on"}}

@@ -39,7 +39,8 @@ def to_dict(cfg) -> dict:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b.c=value`` overrides to a nested dict (values parsed as YAML scalars)."""
+    """Apply ``a.b.c=value`` overrides to a nested dict (values parsed as YAML scalars; a boolean only
+    from ``true`` / ``false``, so ``run.mixed_precision=no`` stays the word ``no``)."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -50,7 +51,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
+        if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):
+            value = raw.strip()  # YAML 1.1 reads no / yes / on / off as booleans: keep the word
+        node[parts[-1]] = value
     return data
 
 
