@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..prepack import match_target_kernels
 from ..sampling import target_probs
 from ..tree import DraftTree, Law, TreeBuilder
 from .base import DraftContext, Drafter, TargetSignature
@@ -296,5 +295,4 @@ def eagle3_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor]) 
     state = adapter_state(weights, "eagle3.", drafter.head.state_dict())
     drafter.head.load_state_dict({k: v.to(drafter.head.state_dict()[k].dtype) for k, v in state.items()})
     drafter._draft_ids = drafter.head.draft_ids.to("cpu")
-    match_target_kernels(drafter.head, model)  # a prepacked bf16 target: the head's layers too
     return drafter

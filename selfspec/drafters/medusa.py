@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from ..lm_head import lm_logits
-from ..prepack import match_target_kernels
 from ..tree import DraftTree, TreeBuilder, TreeTemplate
 from .base import DraftContext, Drafter, TargetSignature
 from .residual import ResBlock
@@ -174,5 +173,4 @@ def medusa_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor]) 
     state = adapter_state(weights, "medusa.", heads.state_dict())
     heads = heads.to(param.device, param.dtype)  # before loading, so values keep their precision
     heads.load_state_dict(state)
-    match_target_kernels(heads, model)  # a prepacked bf16 target: the heads' layers too
     return MedusaDrafter(model, heads)
