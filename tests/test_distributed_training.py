@@ -66,6 +66,21 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "checkpoint" / "drafter" / "adapter.safetensors"))
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and all its children at once."""
+    import psutil
+
+    try:
+        group = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        return
+    for p in group:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
 def test_two_processes_killed_and_resumed_on_one_match_one_process(tmp_path):
     cfg = _setup(tmp_path)
     ref = tmp_path / "one"
@@ -86,11 +101,7 @@ def test_two_processes_killed_and_resumed_on_one_match_one_process(tmp_path):
         except (OSError, ValueError, KeyError):
             seen = 0
         if seen >= 4:  # SIGKILL the launcher and every worker at once (workers run in their own sessions)
-            import psutil
-
-            group = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
-            for p in group:
-                p.send_signal(signal.SIGKILL)
+            _kill_group(proc)
             break
         time.sleep(0.02)
     proc.wait(timeout=60)
@@ -152,20 +163,6 @@ def test_a_failure_on_one_rank_ends_the_run_with_its_error(tmp_path):
     resumed = subprocess.run(_cmd(cfg, run, None, "--resume"), env=_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    import psutil
-
-    try:
-        group = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
-    except psutil.NoSuchProcess:
-        return
-    for p in group:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def test_sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_path):
