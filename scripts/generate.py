@@ -3,7 +3,12 @@
     python scripts/generate.py --prompt "..." [--drafter ngram|none] [--temperature 0.7] [--stream]
 
 Prints the generated text, tokens/s of plain and speculative decoding, the speedup and the mean
-accepted length, measured side by side in this process (see selfspec/measure.py).
+accepted length, measured side by side in this process (see selfspec/measurement/measure.py).
+
+Defaults (``--drafter auto --dtype auto``): the drafter and target dtype measured fastest for the
+model (checkpoints/recommended.json). The recommended dtype is used where this hardware runs it
+natively; when it is not float32, plain float32 decoding is timed in the same alternation too, and
+the speedup is reported against both plain runs (a faster dtype is not credited to speculation).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
-from selfspec.drafters import drafter_from_spec, recommended_drafter, shipped_checkpoint  # noqa: E402
+from selfspec.drafters import drafter_from_spec, recommended_setting, shipped_checkpoint  # noqa: E402
+from selfspec.loading import bf16_is_fast  # noqa: E402
 from selfspec.measurement.measure import compare, divergence  # noqa: E402
 
 DEFAULT_PROMPT = (
@@ -35,8 +41,9 @@ def main(argv=None) -> None:
                     help="auto (the drafter measured fastest for the model, checkpoints/recommended.json; "
                          "else a shipped head + prompt lookup, else ngram), eagle3, medusa, layerskip, ngram[:opts], a+b unions, "
                          "a checkpoint folder, none")
-    ap.add_argument("--dtype", default="auto", help="target dtype: auto (bfloat16 where the CPU/GPU runs it "
-                    "natively, else float32), float32, bfloat16")
+    ap.add_argument("--dtype", default="auto", help="target dtype: auto (with --drafter auto: the dtype the "
+                    "recommended drafter was measured fastest in, where this hardware runs it natively; otherwise "
+                    "bfloat16 where plain decoding measures faster in it here, else float32), float32, bfloat16")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -48,14 +55,20 @@ def main(argv=None) -> None:
     ap.add_argument("--stream", action="store_true", help="print the speculative run's text as each step is verified")
     args = ap.parse_args(argv)
 
-    print(f"loading {args.model} ...", flush=True)
-    model, tokenizer = selfspec.load_target(args.model, dtype=args.dtype)
-    print(f"target dtype {str(next(model.parameters()).dtype).removeprefix('torch.')}", flush=True)
-    ids = encode_chat(tokenizer, args.prompt, system=args.system)
-    drafter_spec = args.drafter
-    if drafter_spec == "auto":  # the drafter measured fastest for this model, else a shipped one + ngram
+    drafter_spec, dtype = args.drafter, args.dtype
+    if drafter_spec == "auto":  # the setting measured fastest for this model, else a shipped head + ngram
         shipped = [k for k in ("eagle3", "medusa") if shipped_checkpoint(args.model, k).is_dir()]
-        drafter_spec = recommended_drafter(args.model) or (f"{shipped[0]}+ngram" if shipped else "ngram")
+        setting = recommended_setting(args.model)
+        drafter_spec = setting[0] if setting else (f"{shipped[0]}+ngram" if shipped else "ngram")
+        dtype = demo_dtype(args.dtype, setting[1] if setting else None)
+    print(f"loading {args.model} ...", flush=True)
+    model, tokenizer = selfspec.load_target(args.model, dtype=dtype)
+    dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(f"target dtype {dtype_name}", flush=True)
+    reference = None
+    if dtype_name != "float32":  # time plain float32 decoding too: speculation is not credited with the dtype
+        reference, _ = selfspec.load_target(args.model, dtype="float32")
+    ids = encode_chat(tokenizer, args.prompt, system=args.system)
     drafter = drafter_from_spec(model, drafter_spec, args.model, tokenizer)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                top_p=args.top_p, seed=args.seed, adaptive=not args.no_adaptive)
@@ -66,16 +79,21 @@ def main(argv=None) -> None:
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         print(f"plain run, then the speculative run ({drafter_spec}) streamed as it is verified:\n" + "=" * 72,
               flush=True)
-    result = compare(model, ids, drafter, repeats=args.repeats, streamer=streamer, **gen)
+    result = compare(model, ids, drafter, repeats=args.repeats, streamer=streamer, reference=reference, **gen)
     spec_name = drafter_spec
     spec, plain = result.spec, result.plain
     text = tokenizer.decode(spec.sequences[0, ids.shape[1]:], skip_special_tokens=True)
     print("=" * 72 if args.stream else "\n" + "=" * 72 + f"\n{text}\n" + "=" * 72)
     print(f"prompt tokens        {ids.shape[1]}")
     print(f"new tokens           plain {plain.stats.new_tokens}, speculative {spec.stats.new_tokens}")
-    print(f"plain decoding       {plain.stats.tokens_per_s:7.1f} tokens/s")
-    print(f"selfspec             {spec.stats.tokens_per_s:7.1f} tokens/s   (drafter: {spec_name})")
-    print(f"speedup              {result.speedup:7.2f}x   (decode time, {args.repeats} alternating run(s))")
+    print(f"plain decoding       {plain.stats.tokens_per_s:7.1f} tokens/s   ({dtype_name})")
+    if result.reference is not None:
+        print(f"plain decoding       {result.reference.stats.tokens_per_s:7.1f} tokens/s   (float32)")
+    print(f"selfspec             {spec.stats.tokens_per_s:7.1f} tokens/s   (drafter: {spec_name}, {dtype_name})")
+    print(f"speedup              {result.speedup:7.2f}x   (against plain {dtype_name}; decode time, "
+          f"{args.repeats} alternating run(s))")
+    if result.reference is not None:
+        print(f"speedup              {result.speedup_vs_reference:7.2f}x   (against plain float32)")
     print(f"mean accepted length {spec.stats.mean_accepted_length:7.2f}   (tokens per target pass, plain = 1)")
     acc = ", ".join(f"{a:.2f}" for a in spec.stats.acceptance_per_depth[:6])
     print(f"acceptance per depth [{acc}]")
@@ -83,12 +101,26 @@ def main(argv=None) -> None:
         print(f"adaptive             {spec.stats.plain_steps} of {spec.stats.steps} steps ran plain "
               f"({spec.stats.fallbacks} fallback(s) while drafting did not pay)")
     if args.temperature == 0:
-        print(f"identical to plain greedy: {result.identical}")
+        print(f"identical to plain greedy ({dtype_name}): {result.identical}")
         why = divergence(model, plain.sequences, spec.sequences, ids.shape[1])
         if why is not None:
             print(f"  first difference at new token {why.position}: plain top-2 logit margin {why.margin:.4f}, "
                   f"batched-vs-sequential rounding {why.rounding_gap:.4f} here "
                   f"({'a near-tie the dtype rounding flips' if why.explained else 'NOT explained by rounding: a bug'})")
+
+
+def demo_dtype(requested: str, recommended: str | None) -> str:
+    """The target dtype to load: ``requested`` unless it is ``auto``; then the recommendation's
+    dtype where this hardware runs it natively (it was measured on such hardware), else
+    ``load_target``'s own ``auto`` (bfloat16 where plain decoding measures faster in it)."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if recommended == "float32" or (recommended == "bfloat16" and bf16_is_fast(device)):
+        return recommended
+    return "auto"
 
 
 if __name__ == "__main__":

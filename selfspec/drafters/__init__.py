@@ -92,19 +92,27 @@ def save_drafter(drafter: Drafter, path, *, tokenizer=None, extra: dict | None =
                     target=TargetIdentity.of(drafter.model, tokenizer), weights=weights, extra=extra)
 
 
-#: The drafter the demo uses per packaged target, with the benchmark result file that measured it the
-#: fastest (a test checks the file still says so).
+#: The setting the demo uses per packaged target: a drafter spec and the target dtype it was measured
+#: in, with the benchmark result files that measured it the fastest overall (a test checks they
+#: still say so).
 RECOMMENDED = SHIPPED_CHECKPOINTS / "recommended.json"
 
 
-def recommended_drafter(target: str) -> str | None:
-    """The drafter spec measured fastest for the packaged ``target`` alias (``None``: no record)."""
+def recommended_setting(target: str) -> tuple[str, str] | None:
+    """``(drafter spec, dtype name)`` measured fastest for the packaged ``target`` alias (``None``:
+    no record). The dtype is where the measurement ran; entries without one were float32 runs."""
     import json
 
     if not RECOMMENDED.exists():
         return None
     entry = json.loads(RECOMMENDED.read_text(encoding="utf-8")).get(target)
-    return entry["drafter"] if entry else None
+    return (entry["drafter"], entry.get("dtype", "float32")) if entry else None
+
+
+def recommended_drafter(target: str) -> str | None:
+    """The drafter spec of :func:`recommended_setting` (``None``: no record)."""
+    setting = recommended_setting(target)
+    return setting[0] if setting else None
 
 
 def shipped_checkpoint(target: str, kind: str) -> Path:

@@ -20,11 +20,20 @@ Metric conventions (per group of prompts, summed over the group's runs):
 * acceptance per depth: see :mod:`selfspec.metrics` (selfspec methods only);
 * peak memory: the largest growth of the process's resident memory (CPU) or of allocated CUDA
   memory (GPU) during the run, over its value at the start, in MiB;
-* identical: the output equals the baseline's token for token.
+* identical: the output equals the baseline's token for token;
+* 95% CI of a speedup: a paired bootstrap over the group's runs (each resample draws (question,
+  turn) units with replacement, keeping every method's run of a unit together, and recomputes the
+  ratio of rates), seeded, so tables regenerate identically. On a shared, noisy CPU a run's speed
+  varies by 10-20% from one prompt to the next; the interval says which differences that noise can
+  explain;
+* unions against their members: a union ``a+b`` (same dtype suffix) is compared with each of its
+  members measured in the same file, on the same runs, as a paired ratio with its 95% CI
+  (:func:`union_vs_members`): a union must never lose to its best member.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -364,7 +373,58 @@ def summarise(records: list[Record], by_turn: bool = False) -> dict[str, dict[st
                 peak_mem_mib=max(r.peak_mem_mib for r in mine),
                 identical_share=sum(r.identical_to_baseline for r in mine) / len(mine),
                 divergences=[dict(question=r.question_id, turn=r.turn) | r.divergence for r in mine if r.divergence],
+                speedup_ci=ratio_ci(recs, method, "baseline"),
             )
+    if "baseline" in out["overall"]:
+        out["overall"]["baseline"]["unions"] = union_vs_members(records)
+    return out
+
+
+def _units(records: list[Record]) -> dict[tuple, dict[str, Record]]:
+    """``{(question, turn): {method: record}}``."""
+    units: dict[tuple, dict[str, Record]] = {}
+    for r in records:
+        units.setdefault((r.question_id, r.turn), {})[r.method] = r
+    return units
+
+
+def ratio_ci(records: list[Record], a: str, b: str, resamples: int = 1000, seed: int = 0) -> list[float] | None:
+    """95% paired-bootstrap interval of ``rate(a) / rate(b)`` over the (question, turn) units where
+    both ran (``None`` with fewer than 3 such units). Deterministic (seeded)."""
+    units = [u for u in _units(records).values() if a in u and b in u]
+    if len(units) < 3:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        pick = [units[rng.randrange(len(units))] for _ in units]
+        ra, rb = _rate([u[a] for u in pick]), _rate([u[b] for u in pick])
+        if ra > 0 and rb > 0:
+            ratios.append(ra / rb)
+    if not ratios:
+        return None
+    ratios.sort()
+    return [ratios[int(0.025 * (len(ratios) - 1))], ratios[int(0.975 * (len(ratios) - 1))]]
+
+
+def union_vs_members(records: list[Record]) -> list[dict]:
+    """Each measured union ``a+b[%dtype]`` against each member ``a[%dtype]`` measured in the same
+    records: ``{union, member, ratio, ci}`` (ratio = the union's rate / the member's on the runs
+    both made; ``ci`` see :func:`ratio_ci`)."""
+    methods = list(dict.fromkeys(r.method for r in records))
+    out = []
+    for m in methods:
+        spec, pct, dtype = m.partition("%")
+        if "+" not in spec or m.startswith("hf-"):
+            continue
+        for member in spec.split("+"):
+            name = member + pct + dtype
+            if name not in methods:
+                continue
+            units = [u for u in _units(records).values() if m in u and name in u]
+            ra, rb = _rate([u[m] for u in units]), _rate([u[name] for u in units])
+            out.append(dict(union=m, member=name, ratio=ra / rb if ra and rb else 0.0,
+                            ci=ratio_ci(records, m, name)))
     return out
 
 
@@ -394,16 +454,31 @@ def from_rows(rows: list[dict]) -> list[Record]:
 
 
 def markdown_table(summary: dict[str, dict[str, dict]]) -> str:
-    lines = ["| category | method | prompts | tokens/s | speedup | MAT | accept d1/d2/d3 | TTFT ms | TPOT ms "
-             "| peak MiB | identical |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The per-category table (a 95% CI column when the summary has intervals), followed by the
+    unions-against-members table when the summary has unions with measured members."""
+    with_ci = any("speedup_ci" in v for methods in summary.values() for v in methods.values())
+    ci_head, ci_rule = (" 95% CI |", "---|") if with_ci else ("", "")
+    lines = [f"| category | method | prompts | tokens/s | speedup |{ci_head} MAT | accept d1/d2/d3 | TTFT ms | "
+             "TPOT ms | peak MiB | identical |", f"|---|---|---|---|---|{ci_rule}---|---|---|---|---|---|"]
     for cat, methods in summary.items():
         for m, v in methods.items():
             acc = "/".join(f"{a:.2f}" for a in v["acceptance_per_depth"][:3]) or "-"
+            ci = ""
+            if with_ci:
+                ci = " - |" if m == "baseline" or not v.get("speedup_ci") else \
+                    " {:.2f}-{:.2f} |".format(*v["speedup_ci"])
             lines.append(
-                f"| {cat} | {m} | {v['prompts']} | {v['tokens_per_s']:.1f} | {v['speedup']:.2f}x | "
+                f"| {cat} | {m} | {v['prompts']} | {v['tokens_per_s']:.1f} | {v['speedup']:.2f}x |{ci} "
                 f"{v['mean_accepted_length']:.2f} | {acc} | {v.get('ttft_s', 0) * 1e3:.0f} | "
                 f"{v.get('tpot_s', 0) * 1e3:.1f} | {v.get('peak_mem_mib', 0):.0f} | {_identical(v)} |"
             )
+    unions = (summary.get("overall", {}).get("baseline") or {}).get("unions")
+    if unions:
+        lines += ["", "Unions against their members (same runs, paired; a union must not lose to its best member):",
+                  "", "| union | member | union / member | 95% CI |", "|---|---|---|---|"]
+        for u in unions:
+            ci = "-" if not u["ci"] else "{:.2f}-{:.2f}".format(*u["ci"])
+            lines.append(f"| {u['union']} | {u['member']} | {u['ratio']:.2f}x | {ci} |")
     return "\n".join(lines)
 
 

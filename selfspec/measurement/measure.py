@@ -3,7 +3,10 @@
 Convention: runs alternate (plain, speculative, plain, speculative, ...) on the same prompt so
 that machine noise hits both alike; speedup = plain decode time / speculative decode time summed
 over repeats (prefill excluded from both, it is identical). A short warm-up run of each precedes
-the measurement.
+the measurement. With a ``reference`` model (another copy of the target, e.g. float32 beside a
+bfloat16 run) its plain decoding joins the alternation, so a speculative run in one dtype is also
+measured against plain decoding in the other (``speedup_vs_reference``): a faster dtype is then
+not credited to speculation.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ class Comparison:
         spec: the last speculative run.
         plain_time_s / spec_time_s: decode seconds summed over repeats.
         identical: every speculative output equalled the plain output of the same repeat.
+        reference: the last plain run on the reference model (``None`` without one).
+        reference_time_s: its decode seconds summed over repeats.
     """
 
     plain: SpecOutput
@@ -31,31 +36,50 @@ class Comparison:
     plain_time_s: float
     spec_time_s: float
     identical: bool
+    reference: SpecOutput | None = None
+    reference_time_s: float = 0.0
 
     @property
     def speedup(self) -> float:
         return self.plain_time_s / self.spec_time_s if self.spec_time_s > 0 else 0.0
 
+    @property
+    def speedup_vs_reference(self) -> float | None:
+        """Speculative decoding against plain decoding on the reference model (``None``: none)."""
+        if self.reference is None:
+            return None
+        return self.reference_time_s / self.spec_time_s if self.spec_time_s > 0 else 0.0
+
 
 def compare(model, input_ids: torch.Tensor, drafter, *, repeats: int = 1, warmup: bool = True, streamer=None,
-            **gen) -> Comparison:
+            reference=None, **gen) -> Comparison:
     """Time plain and speculative generation alternately on ``input_ids`` (same ``gen`` kwargs).
 
     With sampling, each repeat uses the same seed for both, so outputs are comparable in law only.
     ``streamer`` (a transformers streamer) receives the first speculative run as it is generated.
+    ``reference``: another copy of the target (same tokenizer) whose plain decoding is timed in
+    the same alternation (plain, reference, speculative per repeat).
     """
+    if reference is not None and reference.config.get_text_config(decoder=True).vocab_size != \
+            model.config.get_text_config(decoder=True).vocab_size:
+        raise ValueError("the reference model must be a copy of the target (its vocabulary differs)")
     if warmup:
         generate(model, input_ids, max_new_tokens=4, **_no_budget(gen))
         generate(model, input_ids, drafter=drafter, max_new_tokens=4, **_no_budget(gen))
-    plain_t = spec_t = 0.0
-    identical = True
+        if reference is not None:
+            generate(reference, input_ids, max_new_tokens=4, **_no_budget(gen))
+    plain_t = spec_t = ref_t = 0.0
+    identical, ref = True, None
     for r in range(repeats):
         plain = generate(model, input_ids, **gen)
+        if reference is not None:
+            ref = generate(reference, input_ids, **gen)
+            ref_t += ref.stats.decode_time_s
         spec = generate(model, input_ids, drafter=drafter, streamer=streamer if r == 0 else None, **gen)
         plain_t += plain.stats.decode_time_s
         spec_t += spec.stats.decode_time_s
         identical &= torch.equal(plain.sequences, spec.sequences)
-    return Comparison(plain, spec, plain_t, spec_t, identical)
+    return Comparison(plain, spec, plain_t, spec_t, identical, ref, ref_t)
 
 
 def _no_budget(gen: dict) -> dict:
