@@ -12,7 +12,6 @@ verified draft tree. Writes <out>.json (command, provenance, costs) and <out>.md
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,6 +22,7 @@ import torch  # noqa: E402
 
 import selfspec  # noqa: E402
 from selfspec.measurement import benchmark  # noqa: E402
+from selfspec.measurement.measure import write_result  # noqa: E402
 from selfspec.measurement.calibration import verify_costs  # noqa: E402
 
 SETUPS = {  # name -> load_target keyword arguments
@@ -61,14 +61,8 @@ def main(argv=None) -> None:
     text = (f"`{command}`\n\nMilliseconds per target pass (decoder + LM head) over n new tokens after a "
             f"256-token cache, {torch.get_num_threads()} threads:\n\n{table(costs)}\n")
     print(text)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    tmp = args.out + ".json.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"command": command, "provenance": prov, "threads": torch.get_num_threads(),
-                   "seconds": {k: {str(n): s for n, s in v.items()} for k, v in costs.items()}}, f, indent=1)
-    os.replace(tmp, args.out + ".json")
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
+    write_result(args.out, {"command": command, "provenance": prov, "threads": torch.get_num_threads(),
+                   "seconds": {k: {str(n): s for n, s in v.items()} for k, v in costs.items()}}, text)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ included) is kept. Writes <out>.json (command, provenance, seconds) and <out>.md
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.drafters import load_drafter  # noqa: E402
 from selfspec.measurement import benchmark  # noqa: E402
+from selfspec.measurement.measure import write_result  # noqa: E402
 from selfspec.measurement.workloads import heldout_chat_prompts  # noqa: E402
 from selfspec.prepack import prepack_linears  # noqa: E402
 
@@ -64,14 +64,8 @@ def main(argv=None) -> None:
             f"generations, tree {tree.get('max_depth')}/{tree.get('width')}/{tree.get('max_nodes')}), bf16 prepacked "
             f"target, {torch.get_num_threads()} threads:\n\n| head linears | draft ms / step |\n|---|---|\n{rows}\n")
     print(text)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    tmp = args.out + ".json.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"command": command, "provenance": prov, "threads": torch.get_num_threads(),
-                   "draft_ms_per_step": ms}, f, indent=1)
-    os.replace(tmp, args.out + ".json")
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
+    write_result(args.out, {"command": command, "provenance": prov, "threads": torch.get_num_threads(),
+                   "draft_ms_per_step": ms}, text)
 
 
 if __name__ == "__main__":

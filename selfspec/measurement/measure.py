@@ -139,3 +139,14 @@ def divergence(model, plain: torch.Tensor, spec: torch.Tensor, prompt_len: int) 
     top1 = float(top.values[0].abs().clamp_min(torch.finfo(dtype).tiny))
     ulp = torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(torch.tensor(top1))).item()
     return Divergence(pos - prompt_len, float(top.values[0] - top.values[1]), gap, float(ulp))
+
+
+def write_result(out: str, payload: dict, text: str) -> None:
+    """A measurement script's result: ``<out>.json`` (``payload``) and ``<out>.md`` (``text``: the
+    command and its table), each written atomically (:func:`selfspec.checkpoint.atomic_write_text`)."""
+    import json
+
+    from ..checkpoint import atomic_write_text
+
+    atomic_write_text(out + ".json", json.dumps(payload, indent=1))
+    atomic_write_text(out + ".md", text)
