@@ -36,6 +36,7 @@ from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.checkpoint import CONFIG_FILE, atomic_write_text, read_checkpoint  # noqa: E402
 from selfspec.drafters import load_drafter  # noqa: E402
 from selfspec.measurement.workloads import calibration_prompts, heldout_chat_prompts  # noqa: E402
+from selfspec.measurement.machine import cpu_label  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 #: options a calibration may change (tree shape, never the weights' shape)
@@ -77,7 +78,8 @@ def main(argv=None) -> None:
     verify = verify_costs(model, list(range(1, args.max_nodes + 2)))
     print("verify ms per n nodes:", {n: round(v * 1e3, 1) for n, v in verify.items()})
     record = {"machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
-              "torch_threads": torch.get_num_threads(), "verify_cost_s": verify, "prompts": len(prompts)}
+              "cpu": cpu_label(), "torch_threads": torch.get_num_threads(), "verify_cost_s": verify,
+              "prompts": len(prompts)}
     if drafter.kind == "medusa":
         seqs = []
         for ids in prompts:

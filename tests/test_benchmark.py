@@ -52,6 +52,22 @@ def test_speedup_intervals_and_unions_against_their_members():
     assert summarise(records[:10])["overall"]["ngram"]["speedup_ci"] is None  # too few prompts
 
 
+def test_methods_on_another_dtype_against_plain_decoding_in_that_dtype():
+    """``spec%dtype`` is also compared with ``none%dtype`` on the same prompts, so the dtype's own
+    speed is not credited to speculation."""
+    records = []
+    for q in range(4):
+        records += [rec(str(q), "a", "baseline", 100, 10.0, 100),
+                    rec(str(q), "a", "none%bfloat16", 100, 5.0, 100),
+                    rec(str(q), "a", "ngram%bfloat16", 100, 4.0, 50)]
+    s = summarise(records)
+    assert s["overall"]["ngram%bfloat16"]["speedup"] == pytest.approx(2.5)  # against the main baseline
+    same = s["overall"]["baseline"]["same_dtype"]
+    assert [(u["method"], u["plain"]) for u in same] == [("ngram%bfloat16", "none%bfloat16")]
+    assert same[0]["ratio"] == pytest.approx(1.25)
+    assert "| ngram%bfloat16 | none%bfloat16 | 1.25x |" in markdown_table(s)
+
+
 # ---------------------------------------------------------------- end-to-end smoke on a tiny model
 import json  # noqa: E402
 
@@ -215,3 +231,14 @@ def test_a_method_on_another_copy_of_the_target(tmp_path):
     assert summary["same%copy"]["identical_share"] == 1.0  # an equal copy: the baseline's text
     assert summary["other%copy"]["identical_share"] < 1.0  # it really ran on its own model
     assert all(r.divergence is None for r in records if r.method == "other%copy")
+
+
+def test_results_name_the_cpu_and_its_speed_flags():
+    from selfspec.measurement.machine import cpu_identity, cpu_label
+
+    info = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16 sse\n"
+    c = cpu_identity(info)
+    assert c["model"] == "AMD EPYC" and c["flags"] == ["avx2", "avx512f", "avx512_bf16"]
+    assert "avx512_bf16" in cpu_label(c) and "AMD EPYC" in cpu_label(c)
+    assert cpu_identity("")["flags"] == []
+    assert "cpu" in benchmark.provenance()

@@ -377,6 +377,7 @@ def summarise(records: list[Record], by_turn: bool = False) -> dict[str, dict[st
             )
     if "baseline" in out["overall"]:
         out["overall"]["baseline"]["unions"] = union_vs_members(records)
+        out["overall"]["baseline"]["same_dtype"] = against_plain_in_dtype(records)
     return out
 
 
@@ -425,6 +426,24 @@ def union_vs_members(records: list[Record]) -> list[dict]:
             ra, rb = _rate([u[m] for u in units]), _rate([u[name] for u in units])
             out.append(dict(union=m, member=name, ratio=ra / rb if ra and rb else 0.0,
                             ci=ratio_ci(records, m, name)))
+    return out
+
+
+def against_plain_in_dtype(records: list[Record]) -> list[dict]:
+    """Each method run on another dtype's copy (``spec%dtype``) against plain decoding on that copy
+    (``none%dtype``) in the same records: ``{method, plain, ratio, ci}``. The table's speedup column
+    is against the main baseline, so it credits the dtype's own speed to the method; this says what
+    speculation adds on top of it."""
+    methods = list(dict.fromkeys(r.method for r in records))
+    out = []
+    for m in methods:
+        spec, pct, dtype = m.partition("%")
+        plain = f"none%{dtype}"
+        if not pct or m == plain or plain not in methods:
+            continue
+        units = [u for u in _units(records).values() if m in u and plain in u]
+        ra, rb = _rate([u[m] for u in units]), _rate([u[plain] for u in units])
+        out.append(dict(method=m, plain=plain, ratio=ra / rb if ra and rb else 0.0, ci=ratio_ci(records, m, plain)))
     return out
 
 
@@ -479,6 +498,14 @@ def markdown_table(summary: dict[str, dict[str, dict]]) -> str:
         for u in unions:
             ci = "-" if not u["ci"] else "{:.2f}-{:.2f}".format(*u["ci"])
             lines.append(f"| {u['union']} | {u['member']} | {u['ratio']:.2f}x | {ci} |")
+    same = (summary.get("overall", {}).get("baseline") or {}).get("same_dtype")
+    if same:
+        lines += ["", "Against plain decoding in the same dtype (same runs, paired; the speedup column above "
+                  "is against the main baseline and so includes the dtype's own speed):",
+                  "", "| method | plain | method / plain | 95% CI |", "|---|---|---|---|"]
+        for u in same:
+            ci = "-" if not u["ci"] else "{:.2f}-{:.2f}".format(*u["ci"])
+            lines.append(f"| {u['method']} | {u['plain']} | {u['ratio']:.2f}x | {ci} |")
     return "\n".join(lines)
 
 
@@ -529,6 +556,8 @@ def provenance() -> dict:
     import torch
     import transformers
 
+    from .machine import cpu_label
+
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
@@ -537,4 +566,4 @@ def provenance() -> dict:
         commit, dirty = None, None
     return {"commit": commit, "dirty": dirty, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "cpu": cpu_label()}
