@@ -61,9 +61,9 @@ class AdaptiveConfig:
     """
 
     margin: float = 0.02
-    probe: int = 8
-    max_probe: int = 16
-    z: float = 1.5
+    probe: int = 4
+    max_probe: int = 24
+    z: float = 2.0
     backoff: int = 8
     max_backoff: int = 256
     ema: float = 0.25
