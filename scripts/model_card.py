@@ -41,8 +41,14 @@ def results_section(path: Path) -> str:
     ident = ", ".join(f"{m} {overall[m]['identical_share']:.0%}" for m in methods if m != "baseline")
     title = data.get("args", {}).get("title") or path.stem
     commit = data.get("provenance", {}).get("commit", "")[:8] or "not recorded"
+    same = (overall.get("baseline") or {}).get("same_dtype") or []
+    tail = ""
+    if same:
+        tail = "\nAgainst plain decoding in the same dtype (paired, 95% CI): " + "; ".join(
+            f"{u['method']} {u['ratio']:.2f}x" + (" ({:.2f}-{:.2f})".format(*u["ci"]) if u.get("ci") else "")
+            for u in same) + "\n"
     return (f"### {title}\n\n`{path}` (commit {commit}; speedup / MAT against plain decoding in the same "
-            f"process; identical to plain greedy: {ident})\n\n    {cmd}\n\n" + _table(rows) + "\n")
+            f"process; identical to plain greedy: {ident})\n\n    {cmd}\n\n" + _table(rows) + "\n" + tail)
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,11 +187,18 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
         alone = []
         for p in results:
             data = json.loads((ROOT / p).read_text(encoding="utf-8"))
-            for method, row in data["summary"]["overall"].items():  # the shipped alias or this folder, unmodified
-                spec, _, dtype = method.partition("%")  # (`%dtype`: on a copy of the target in that dtype)
+            overall = data["summary"]["overall"]
+            # `%dtype` methods ran on a copy of the target in that dtype: judged against plain decoding
+            # in that dtype where the file has it (else against the main baseline, as older files)
+            same = {u["method"]: u for u in (overall.get("baseline") or {}).get("same_dtype") or []}
+            for method, row in overall.items():  # the shipped alias or this folder, unmodified
+                spec, _, dtype = method.partition("%")
                 if spec == meta["kind"] or spec.rstrip("/").endswith("/" + ckpt.name):
                     title = data.get("args", {}).get("title") or p
-                    alone.append((f"{title} [{dtype} target]" if dtype else title, row["speedup"]))
+                    if method in same:
+                        alone.append((f"{title} [{dtype} target, against plain {dtype}]", same[method]["ratio"]))
+                    else:
+                        alone.append((f"{title} [{dtype} target]" if dtype else title, row["speedup"]))
         if alone:
             verdict = ("pays on this machine" if min(v for _, v in alone) >= 1.0 else
                        "does not pay on this machine yet (alone, below plain decoding where marked < 1.00x)")
