@@ -90,7 +90,7 @@ def main(argv=None) -> None:
     if result.reference is not None:
         print(f"plain decoding       {result.reference.stats.tokens_per_s:7.1f} tokens/s   (float32)")
     print(f"selfspec             {spec.stats.tokens_per_s:7.1f} tokens/s   (drafter: {spec_name}, {dtype_name})")
-    print(f"speedup              {result.speedup:7.2f}x   (against plain {dtype_name}; decode time, "
+    print(f"speedup              {result.speedup:7.2f}x   (against plain {dtype_name}; decode tokens/s, "
           f"{args.repeats} alternating run(s))")
     if result.reference is not None:
         print(f"speedup              {result.speedup_vs_reference:7.2f}x   (against plain float32)")

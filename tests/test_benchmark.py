@@ -183,6 +183,16 @@ def test_recommended_settings_are_the_fastest_in_their_result_files():
         assert geo[chosen] == best, geo
 
 
+def test_speedup_is_a_ratio_of_rates_when_outputs_differ_in_length():
+    """A bf16 near-tie or a sampled run can end one output earlier: the speedup compares tokens per
+    decode second, not total decode times (which would charge the longer run for its extra tokens)."""
+    from selfspec.measurement.measure import Comparison
+
+    c = Comparison(None, None, plain_time_s=2.0, spec_time_s=2.0, identical=False, plain_tokens=50, spec_tokens=100)
+    assert c.speedup == pytest.approx(2.0)
+    assert Comparison(None, None, 2.0, 1.0, True).speedup == pytest.approx(2.0)  # counts unknown: times
+
+
 def test_compare_times_a_reference_copy_in_the_same_alternation():
     """``compare(..., reference=)``: plain decoding on another copy of the target runs in the same
     alternation and gives a second speedup; a model with another vocabulary is refused."""
@@ -194,7 +204,8 @@ def test_compare_times_a_reference_copy_in_the_same_alternation():
     c = compare(model, ids, build_drafter(model, "ngram", min_ngram=1), max_new_tokens=8, reference=model)
     assert c.reference is not None and c.identical
     assert torch.equal(c.reference.sequences, c.plain.sequences)
-    assert c.speedup_vs_reference == pytest.approx(c.reference_time_s / c.spec_time_s)
+    assert c.speedup_vs_reference == pytest.approx(c.reference_time_s / c.spec_time_s)  # same lengths
+    assert c.spec_tokens == c.plain_tokens == c.reference_tokens == 8
     assert compare(model, ids, None, max_new_tokens=4).speedup_vs_reference is None
     with pytest.raises(ValueError, match="copy of the target"):
         compare(model, ids, None, max_new_tokens=4, reference=tiny_model("llama", vocab=96))

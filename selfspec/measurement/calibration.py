@@ -142,9 +142,11 @@ def measured_search(model, make, prompts: list[torch.Tensor], budgets: list[int]
     for b in budgets:
         drafter = make(b)
         plain = spec = 0.0
-        for ids in prompts:
+        plain_n = spec_n = 0
+        for ids in prompts:  # rates, not times: bf16 outputs can differ in length at near-ties
             c = compare(model, ids, drafter, max_new_tokens=max_new_tokens, adaptive=False)
             plain, spec = plain + c.plain_time_s, spec + c.spec_time_s
-        speedups[b] = plain / spec
+            plain_n, spec_n = plain_n + c.plain_tokens, spec_n + c.spec_tokens
+        speedups[b] = (spec_n / spec) / (plain_n / plain)
     best = max(speedups, key=speedups.get)
     return (best if speedups[best] > 1.0 else 0), speedups

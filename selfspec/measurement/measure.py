@@ -1,8 +1,10 @@
 """Side-by-side speed measurement: speculative vs plain decoding in one process.
 
 Convention: runs alternate (plain, speculative, plain, speculative, ...) on the same prompt so
-that machine noise hits both alike; speedup = plain decode time / speculative decode time summed
-over repeats (prefill excluded from both, it is identical). A short warm-up run of each precedes
+that machine noise hits both alike; speedup = speculative decode rate / plain decode rate, each
+new tokens over decode seconds summed over repeats (prefill excluded from both). With identical
+outputs that is the ratio of decode times; where the outputs differ in length (sampling, or a bf16
+near-tie that ends one run earlier) a time ratio would charge the longer run for its extra tokens. A short warm-up run of each precedes
 the measurement. With a ``reference`` model (another copy of the target, e.g. float32 beside a
 bfloat16 run) its plain decoding joins the alternation, so a speculative run in one dtype is also
 measured against plain decoding in the other (``speedup_vs_reference``): a faster dtype is then
@@ -29,6 +31,8 @@ class Comparison:
         identical: every speculative output equalled the plain output of the same repeat.
         reference: the last plain run on the reference model (``None`` without one).
         reference_time_s: its decode seconds summed over repeats.
+        plain_tokens / spec_tokens / reference_tokens: new tokens summed over repeats (0: unknown,
+            the speedups are then ratios of times).
     """
 
     plain: SpecOutput
@@ -38,17 +42,30 @@ class Comparison:
     identical: bool
     reference: SpecOutput | None = None
     reference_time_s: float = 0.0
+    plain_tokens: int = 0
+    spec_tokens: int = 0
+    reference_tokens: int = 0
 
     @property
     def speedup(self) -> float:
-        return self.plain_time_s / self.spec_time_s if self.spec_time_s > 0 else 0.0
+        """Speculative tokens/s over plain tokens/s (decode time only)."""
+        return _rate_ratio(self.spec_tokens, self.spec_time_s, self.plain_tokens, self.plain_time_s)
 
     @property
     def speedup_vs_reference(self) -> float | None:
         """Speculative decoding against plain decoding on the reference model (``None``: none)."""
         if self.reference is None:
             return None
-        return self.reference_time_s / self.spec_time_s if self.spec_time_s > 0 else 0.0
+        return _rate_ratio(self.spec_tokens, self.spec_time_s, self.reference_tokens, self.reference_time_s)
+
+
+def _rate_ratio(tokens: int, seconds: float, base_tokens: int, base_seconds: float) -> float:
+    """``(tokens / seconds) / (base_tokens / base_seconds)``; a time ratio when counts are unknown."""
+    if seconds <= 0 or base_seconds <= 0:
+        return 0.0
+    if tokens <= 0 or base_tokens <= 0:
+        return base_seconds / seconds
+    return (tokens / seconds) / (base_tokens / base_seconds)
 
 
 def compare(model, input_ids: torch.Tensor, drafter, *, repeats: int = 1, warmup: bool = True, streamer=None,
@@ -69,17 +86,21 @@ def compare(model, input_ids: torch.Tensor, drafter, *, repeats: int = 1, warmup
         if reference is not None:
             generate(reference, input_ids, max_new_tokens=4, **_no_budget(gen))
     plain_t = spec_t = ref_t = 0.0
+    plain_n = spec_n = ref_n = 0
     identical, ref = True, None
     for r in range(repeats):
         plain = generate(model, input_ids, **gen)
         if reference is not None:
             ref = generate(reference, input_ids, **gen)
             ref_t += ref.stats.decode_time_s
+            ref_n += ref.stats.new_tokens
         spec = generate(model, input_ids, drafter=drafter, streamer=streamer if r == 0 else None, **gen)
         plain_t += plain.stats.decode_time_s
         spec_t += spec.stats.decode_time_s
+        plain_n += plain.stats.new_tokens
+        spec_n += spec.stats.new_tokens
         identical &= torch.equal(plain.sequences, spec.sequences)
-    return Comparison(plain, spec, plain_t, spec_t, identical, ref, ref_t)
+    return Comparison(plain, spec, plain_t, spec_t, identical, ref, ref_t, plain_n, spec_n, ref_n)
 
 
 def _no_budget(gen: dict) -> dict:
