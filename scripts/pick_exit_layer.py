@@ -26,7 +26,7 @@ from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.drafters import build_drafter, save_drafter  # noqa: E402
 from selfspec.measurement.calibration import verify_costs  # noqa: E402
 from selfspec.measurement.exit_search import exit_acceptance, level_costs, rank_exits  # noqa: E402
-from selfspec.measurement.measure import compare  # noqa: E402
+from selfspec.measurement.measure import compare, pooled_speedup  # noqa: E402
 from selfspec.measurement.workloads import calibration_prompts  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -61,13 +61,7 @@ def main(argv=None) -> None:
     for cand in ranked[: args.tries]:
         drafter = build_drafter(model, "layerskip", exit_layer=cand.exit_layer, adapter="none",
                                 max_depth=cand.depth, width=1, branch=1, max_nodes=cand.depth, min_score=0.0)
-        plain_t = spec_t = 0.0
-        plain_n = spec_n = 0
-        for ids in prompts[:3]:  # rates, not times: outputs can differ in length at bf16 near-ties
-            c = compare(model, ids, drafter, max_new_tokens=64, adaptive=False)
-            plain_t, spec_t = plain_t + c.plain_time_s, spec_t + c.spec_time_s
-            plain_n, spec_n = plain_n + c.plain_tokens, spec_n + c.spec_tokens
-        speed = (spec_n / spec_t) / (plain_n / plain_t)
+        speed = pooled_speedup([compare(model, ids, drafter, max_new_tokens=64, adaptive=False) for ids in prompts[:3]])
         measured.append((speed, cand))
         print(f"E={cand.exit_layer} D={cand.depth}: acceptance {cand.acceptance:.3f}, expected MAT "
               f"{cand.expected_mat:.2f}, expected speedup {cand.expected_speedup:.2f}x, measured {speed:.2f}x")

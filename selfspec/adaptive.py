@@ -3,10 +3,12 @@
 Per step the engine asks the policy whether to speculate and how deep a draft may go, then reports
 what the step cost (a drafter that proposed nothing, e.g. prompt lookup without a match, makes a
 plain step) (wall seconds for draft + verify), what it emitted and how deep drafts were
-accepted. The policy keeps exponential moving averages (EMA) of
+accepted. The policy keeps
 
-* ``plain_s``: seconds of a plain (root-only) step; the drafter's first step ever is plain;
-* ``spec_s`` / ``spec_tokens``: seconds and emitted tokens of a speculative step;
+* ``plain_s``: an exponential moving average (EMA) of a plain (root-only) step's seconds; the
+  drafter's first step ever is plain;
+* ``block``: the (seconds, tokens) of the speculative steps since the last judgement (``spec_s`` /
+  ``spec_tokens``, EMAs of the same, only report :meth:`AdaptivePolicy.gain`);
 * acceptance per depth (conditional on the walk reaching that depth).
 
 Speculation pays while ``gain = tokens / seconds * plain_s >= 1 + margin``, judged on pooled
@@ -23,10 +25,10 @@ doubling backoff then turns each false alarm into long plain stretches. A block 
 
 After a loss the policy falls back to plain steps for ``backoff`` steps (doubling, up to
 ``max_backoff``, while speculation keeps losing), then probes again with a fresh block: it grows
-back when acceptance recovers. The draft depth is capped below the first
-depth whose acceptance estimate (a count decayed over ``depth_window`` tests, with one optimistic
-pseudo-acceptance) falls under ``min_depth_acceptance`` after at least ``min_depth_samples`` tests; every ``refresh`` speculative steps one step drafts at full
-depth (and one step runs plain) so both estimates stay current. The engine keeps one policy per
+back when acceptance recovers. The draft depth is capped below the first depth whose acceptance
+estimate (a count decayed over ``depth_window`` tests, with one optimistic pseudo-acceptance) falls
+under ``min_depth_acceptance`` after at least ``min_depth_samples`` tests; every ``refresh``
+speculative steps one step drafts at full depth (and one step runs plain) so both estimates stay current. The engine keeps one policy per
 drafter across ``generate`` calls (:meth:`AdaptivePolicy.begin` starts each call with a plain
 step but keeps what was learnt), so a drafter that does not pay stays backed off on the next
 prompt instead of paying the probes again.
@@ -90,7 +92,6 @@ class AdaptivePolicy:
         self.depth_tests: list[float] = []  # decayed test counts per depth
         self.depth_seen: list[int] = []
         self.plain_left = 1  # the first step is plain: it measures the plain step cost
-        self.spec_seen = 0  # speculative steps since the last (re)start of speculation
         self.block: list[tuple[float, float]] = []  # (seconds, tokens) of the block being judged
         self.spec_total = 0
         self.backoff = self.cfg.backoff
@@ -136,11 +137,10 @@ class AdaptivePolicy:
             if self.plain_left > 0:
                 self.plain_left -= 1
                 if self.plain_left == 0 and not self.block:  # after a backoff: measure afresh
-                    self.spec_seen, self.spec_s, self.spec_tokens = 0, None, None
+                    self.spec_s, self.spec_tokens = None, None
             return
         self.spec_s = seconds if self.spec_s is None else (1 - w) * self.spec_s + w * seconds
         self.spec_tokens = emitted if self.spec_tokens is None else (1 - w) * self.spec_tokens + w * emitted
-        self.spec_seen += 1
         self.spec_total += 1
         self.block.append((seconds, float(emitted)))
         for d in range(num_accepted + int(tested_next)):

@@ -186,11 +186,13 @@ def test_recommended_settings_are_the_fastest_in_their_result_files():
 def test_speedup_is_a_ratio_of_rates_when_outputs_differ_in_length():
     """A bf16 near-tie or a sampled run can end one output earlier: the speedup compares tokens per
     decode second, not total decode times (which would charge the longer run for its extra tokens)."""
-    from selfspec.measurement.measure import Comparison
+    from selfspec.measurement.measure import Comparison, pooled_speedup
 
     c = Comparison(None, None, plain_time_s=2.0, spec_time_s=2.0, identical=False, plain_tokens=50, spec_tokens=100)
     assert c.speedup == pytest.approx(2.0)
     assert Comparison(None, None, 2.0, 1.0, True).speedup == pytest.approx(2.0)  # counts unknown: times
+    other = Comparison(None, None, plain_time_s=2.0, spec_time_s=6.0, identical=True, plain_tokens=50, spec_tokens=100)
+    assert pooled_speedup([c, other]) == pytest.approx((200 / 8) / (100 / 4))  # sums, not a mean of ratios
 
 
 def test_compare_times_a_reference_copy_in_the_same_alternation():

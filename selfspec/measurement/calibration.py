@@ -136,17 +136,12 @@ def measured_search(model, make, prompts: list[torch.Tensor], budgets: list[int]
 
     Returns ``(best budget or 0 if nothing beats plain decoding, {budget: speedup})``.
     """
-    from .measure import compare
+    from .measure import compare, pooled_speedup
 
     speedups = {}
     for b in budgets:
         drafter = make(b)
-        plain = spec = 0.0
-        plain_n = spec_n = 0
-        for ids in prompts:  # rates, not times: bf16 outputs can differ in length at near-ties
-            c = compare(model, ids, drafter, max_new_tokens=max_new_tokens, adaptive=False)
-            plain, spec = plain + c.plain_time_s, spec + c.spec_time_s
-            plain_n, spec_n = plain_n + c.plain_tokens, spec_n + c.spec_tokens
-        speedups[b] = (spec_n / spec) / (plain_n / plain)
+        speedups[b] = pooled_speedup([compare(model, ids, drafter, max_new_tokens=max_new_tokens, adaptive=False)
+                                      for ids in prompts])
     best = max(speedups, key=speedups.get)
     return (best if speedups[best] > 1.0 else 0), speedups

@@ -4,8 +4,8 @@ Convention: runs alternate (plain, speculative, plain, speculative, ...) on the 
 that machine noise hits both alike; speedup = speculative decode rate / plain decode rate, each
 new tokens over decode seconds summed over repeats (prefill excluded from both). With identical
 outputs that is the ratio of decode times; where the outputs differ in length (sampling, or a bf16
-near-tie that ends one run earlier) a time ratio would charge the longer run for its extra tokens. A short warm-up run of each precedes
-the measurement. With a ``reference`` model (another copy of the target, e.g. float32 beside a
+near-tie that ends one run earlier) a time ratio would charge the longer run for its extra tokens.
+A short warm-up run of each precedes the measurement. With a ``reference`` model (another copy of the target, e.g. float32 beside a
 bfloat16 run) its plain decoding joins the alternation, so a speculative run in one dtype is also
 measured against plain decoding in the other (``speedup_vs_reference``): a faster dtype is then
 not credited to speculation.
@@ -66,6 +66,12 @@ def _rate_ratio(tokens: int, seconds: float, base_tokens: int, base_seconds: flo
     if tokens <= 0 or base_tokens <= 0:
         return base_seconds / seconds
     return (tokens / seconds) / (base_tokens / base_seconds)
+
+
+def pooled_speedup(comparisons: list[Comparison]) -> float:
+    """The speedup over several prompts: summed speculative tokens / seconds over summed plain ones."""
+    return _rate_ratio(sum(c.spec_tokens for c in comparisons), sum(c.spec_time_s for c in comparisons),
+                       sum(c.plain_tokens for c in comparisons), sum(c.plain_time_s for c in comparisons))
 
 
 def compare(model, input_ids: torch.Tensor, drafter, *, repeats: int = 1, warmup: bool = True, streamer=None,
