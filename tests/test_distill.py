@@ -95,3 +95,25 @@ def test_benchmark_prompts_never_reach_distillation(tmp_path):
         job = load_any(Path(__file__).resolve().parents[1] / "configs" / "distill_chat_smollm2.yaml")
         real = collect_prompts(DistillConfig(**(job.distill.__dict__ | {"data_dir": str(DATA)})))
         assert not {p["user"].strip() for p in real} & benchmark_prompts(DATA)
+        # the second window (skip) is held out the same way and shares no prompt with the first
+        job_c = load_any(Path(__file__).resolve().parents[1] / "configs" / "distill_chat_smollm2_c.yaml")
+        more = collect_prompts(DistillConfig(**(job_c.distill.__dict__ | {"data_dir": str(DATA)})))
+        assert not {p["user"].strip() for p in more} & benchmark_prompts(DATA)
+        ids = lambda ps: {(p["source"], p["source_id"]) for p in ps if p["source"] in ("chat", "tools")}  # noqa: E731
+        assert ids(more) and not ids(more) & ids(real)  # (a few prompt texts occur twice in the set itself)
+
+
+def test_skip_takes_the_next_window_of_a_source(tmp_path):
+    """``skip`` passes over the prompts an earlier run took (same seed): disjoint windows whose
+    union is the longer run's selection; skipping past the end is refused."""
+    data = _fixture(tmp_path)
+    base = dict(data_dir=str(data), holdout=2, sampled_every=0)
+    users = lambda cfg: {p["user"] for p in collect_prompts(cfg)}  # noqa: E731
+    first = users(DistillConfig(sources={"chat": 2}, **base))
+    second = users(DistillConfig(sources={"chat": 2}, skip={"chat": 2}, **base))
+    both = users(DistillConfig(sources={"chat": 4}, **base))
+    assert first and second and not first & second and first | second == both  # (benchmark prompts held out)
+    with pytest.raises(ValueError, match="leaves none"):
+        collect_prompts(DistillConfig(sources={"chat": 1}, skip={"chat": 5}, **base))
+    with pytest.raises(ValueError, match="unknown"):
+        collect_prompts(DistillConfig(sources={"chat": 1}, skip={"chats": 1}, **base))

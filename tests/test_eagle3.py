@@ -308,6 +308,35 @@ def test_training_learns_and_resumes_exactly(tmp_path):
         torch.testing.assert_close(again.drafter.head.state_dict()[k].to(v.dtype), v, msg=k)
 
 
+def test_training_continues_from_a_trained_head(tmp_path):
+    """``init_from``: a new run starts from every weight, the tap scale and the draft vocabulary of
+    a saved head (its held-out metrics before training equal the saved head's); a head for another
+    target or of another shape is refused before any training."""
+    from dataclasses import replace
+
+    from training.recipes import Eagle3Recipe
+
+    model = tiny_model("llama", layers=5)
+    first, recipe = _trained(model, tmp_path / "a", steps=12)
+    save_drafter(first, tmp_path / "head")
+    cfg = replace(recipe.cfg, init_from=str(tmp_path / "head"))
+    cfg.run = replace(cfg.run, out_dir=str(tmp_path / "b"))
+    warm = Eagle3Recipe(cfg, model=model, examples=recipe.examples)
+    warm.setup()
+    for k, v in first.head.state_dict().items():
+        torch.testing.assert_close(warm.head.state_dict()[k].to(v.dtype), v, msg=k)
+    assert warm.evaluate()["eval/top1_per_step"] == pytest.approx(recipe.evaluate()["eval/top1_per_step"])
+    assert 0 < warm.vocab_coverage <= 1
+    # negative controls: a foreign target, another head shape
+    other = tiny_model("llama", layers=5, seed=7)
+    with pytest.raises(CheckpointError, match="another target|fingerprint"):
+        Eagle3Recipe(cfg, model=other, examples=recipe.examples).setup()
+    wide = replace(cfg, eagle3=replace(cfg.eagle3, draft_vocab_size=cfg.eagle3.draft_vocab_size // 2))
+    wide.run = replace(cfg.run, out_dir=str(tmp_path / "c"))
+    with pytest.raises(CheckpointError, match="head shape"):
+        Eagle3Recipe(wide, model=model, examples=recipe.examples).setup()
+
+
 # ---------------------------------------------------------------- export
 def _speculators_first_layer_class():
     """vLLM's `speculators` EAGLE-3 first layer, loaded without the package's heavy __init__ (it

@@ -44,7 +44,9 @@ class DistillConfig:
 
     Attributes:
         sources: number of prompts per source (gsm8k, bfcl_simple, bfcl_multiple, humaneval,
-            mt_bench); 0 skips a source.
+            mt_bench, chat, tools). A source listed with 0 takes none but still draws its seeded
+            order, so the orders of the sources after it stay those of a run that took some
+            (needed for ``skip`` windows); an unlisted source draws nothing.
         data_dir: folder holding the shared prompt sets.
         holdout: the first N records of each BFCL file are never used (benchmark prompts).
         max_new_tokens: answer length cap.
@@ -53,6 +55,9 @@ class DistillConfig:
         sampled_every: every k-th prompt is answered by sampling (0 = greedy only).
         temperature / top_p: sampling parameters of sampled answers.
         seed: seeds prompt selection and sampling.
+        skip: per source, how many prompts of its seeded order to pass over before taking
+            ``sources[name]``: with the same seed, ``skip={"chat": 3000}`` takes the next window of
+            chat prompts after a run that took 3000, so a new run adds answers to new prompts only.
         max_prompt_tokens: prompts longer than this (after the chat template) are skipped.
     """
 
@@ -69,6 +74,7 @@ class DistillConfig:
     top_p: float = 0.95
     seed: int = 0
     max_prompt_tokens: int = 1024
+    skip: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -113,48 +119,51 @@ def benchmark_prompts(data_dir: str | Path, holdout: int = 100) -> set[str]:
 def collect_prompts(cfg: DistillConfig) -> list[dict]:
     """``[{source, source_id, system, user}]`` in a fixed, seeded order (all sources shuffled
     together), without any benchmark prompt."""
-    unknown = set(cfg.sources) - set(KNOWN_SOURCES)
+    unknown = (set(cfg.sources) | set(cfg.skip)) - set(KNOWN_SOURCES)
     if unknown:
         raise ValueError(f"unknown distillation sources {sorted(unknown)}; known: {list(KNOWN_SOURCES)}")
     data = Path(cfg.data_dir)
     g = torch.Generator().manual_seed(cfg.seed)
     out: list[dict] = []
 
-    def take(records: list, n: int) -> list:
+    def take(records: list, n: int, source: str) -> list:
         order = torch.randperm(len(records), generator=g).tolist()
-        return [records[i] for i in order[:n]]
+        start = cfg.skip.get(source, 0)
+        if n and start and start >= len(records):
+            raise ValueError(f"source {source!r} has {len(records)} prompts: skipping {start} leaves none")
+        return [records[i] for i in order[start:start + n]]
 
     n = cfg.sources
-    if n.get("gsm8k"):
+    if "gsm8k" in n:
         with open(data / "gsm8k" / "train.jsonl", encoding="utf-8") as f:
             rows = [json.loads(line) for line in f]
         out += [dict(source="gsm8k", source_id=str(i), system=None, user=r["question"])
-                for i, r in enumerate(take(rows, n["gsm8k"]))]
+                for i, r in enumerate(take(rows, n["gsm8k"], "gsm8k"))]
     for key, name in (("bfcl_simple", "BFCL_v4_simple_python.json"), ("bfcl_multiple", "BFCL_v4_multiple.json")):
-        if n.get(key):
+        if key in n:
             qs = load_bfcl(data / "bfcl" / name)[cfg.holdout:]
-            out += [dict(source=key, source_id=q.question_id, system=q.system, user=q.turns[0]) for q in take(qs, n[key])]
-    if n.get("humaneval"):
+            out += [dict(source=key, source_id=q.question_id, system=q.system, user=q.turns[0]) for q in take(qs, n[key], key)]
+    if "humaneval" in n:
         with gzip.open(data / "HumanEval.jsonl.gz", "rt", encoding="utf-8") as f:
             rows = [json.loads(line) for line in f]
         out += [dict(source="humaneval", source_id=r["task_id"], system=None,
                      user=f"Complete this Python function:\n```python\n{r['prompt']}```")
-                for r in take(rows, n["humaneval"])]
-    if n.get("mt_bench"):
+                for r in take(rows, n["humaneval"], "humaneval")]
+    if "mt_bench" in n:
         with open(data / "mt_bench_question.jsonl", encoding="utf-8") as f:
             rows = [json.loads(line) for line in f]
         out += [dict(source="mt_bench", source_id=str(r["question_id"]), system=None, user=r["turns"][0])
-                for r in take(rows, n["mt_bench"])]
-    if n.get("chat"):
+                for r in take(rows, n["mt_bench"], "mt_bench")]
+    if "chat" in n:
         with open(data / "chat_prompts.jsonl", encoding="utf-8") as f:
             rows = [json.loads(line) for line in f]
         out += [dict(source="chat", source_id=r["id"], system=None, user=r["messages"][0]["content"])
-                for r in take(rows, n["chat"])]
-    if n.get("tools"):
+                for r in take(rows, n["chat"], "chat")]
+    if "tools" in n:
         with gzip.open(data / "tool_prompts.jsonl.gz", "rt", encoding="utf-8") as f:
             rows = [json.loads(line) for line in f]
         out += [dict(source="tools", source_id=r["id"], system=tool_system_message(r["tools"]),
-                     user=r["messages"][0]["content"]) for r in take(rows, n["tools"])]
+                     user=r["messages"][0]["content"]) for r in take(rows, n["tools"], "tools")]
     held = benchmark_prompts(data, cfg.holdout) if not n.get("mt_bench") else set()
     out = [p for p in out if p["user"].strip() not in held]
     order = torch.randperm(len(out), generator=g).tolist()

@@ -59,6 +59,10 @@ class Eagle3TrainConfig:
         target_dtype: dtype of the frozen target's feature pass (``float32`` / ``bfloat16``).
         init: ``exit`` (the head starts as the target's early exit at its highest tap, see
             ``Eagle3Recipe._init_from_target``) or ``random`` (fc and mid layer randomly initialised).
+        init_from: a trained ``eagle3`` drafter folder to continue from (warm start on new data):
+            its weights, tap scale and draft vocabulary replace ``init``; ``load_drafter`` refuses
+            one made for another target, and a head shape other than ``eagle3``'s is refused too.
+            Unlike ``--resume`` (same run, exact), this starts a new run with a fresh optimizer.
         export: where the final drafter checkpoint is written (``null`` to skip).
         overwrite_export: allow ``export`` to replace an existing folder (refused otherwise, at
             setup, before any training).
@@ -79,6 +83,7 @@ class Eagle3TrainConfig:
     tokens_per_batch: int = 4096
     target_dtype: str = "float32"
     init: str = "random"
+    init_from: str | None = None
     export: str | None = None
     overwrite_export: bool = False
     export_dtype: str = "float32"
@@ -114,6 +119,12 @@ def draft_vocabulary(examples: list[dict], size: int, vocab: int, held_out: list
     return order[:size].sort().values, coverage
 
 
+def _coverage_of(draft_ids: torch.Tensor, examples: list[dict], vocab: int) -> float:
+    """Share of the response tokens of ``examples`` that lie in ``draft_ids``."""
+    counts = _token_counts(examples, vocab)
+    return float(counts[draft_ids].sum()) / max(1, int(counts.sum()))
+
+
 class Eagle3Recipe(TrainingRun):
     """One training run of an EAGLE-3 head (see the module docstring)."""
 
@@ -132,11 +143,15 @@ class Eagle3Recipe(TrainingRun):
                                                        cfg.max_eval_examples)
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
         draft_ids, self.coverage = draft_vocabulary(self.train_set, cfg.eagle3.draft_vocab_size, vocab, self.eval_set)
+        self.vocab_coverage = self.coverage.get(cfg.eagle3.draft_vocab_size)  # of the vocabulary in use
         self.drafter = selfspec.build_drafter(self.model, "eagle3", **asdict(cfg.eagle3))
         self.head = self.trainable = self.drafter.head.float()
-        self.head.set_vocab(draft_ids)
-        self._init_from_target()
-        self._measure_tap_scale()
+        if cfg.init_from:
+            self._init_from_drafter(cfg.init_from, vocab)
+        else:
+            self.head.set_vocab(draft_ids)
+            self._init_from_target()
+            self._measure_tap_scale()
         self.drafter._draft_ids = self.head.draft_ids.cpu()
         self.batches = length_buckets(self.train_set, cfg.max_len, cfg.tokens_per_batch)
 
@@ -149,6 +164,24 @@ class Eagle3Recipe(TrainingRun):
 
     def step_items(self, step: int) -> list[int]:
         return batch_at(self.batches, step, self.cfg.run.seed)
+
+    @torch.no_grad()
+    def _init_from_drafter(self, path: str, vocab: int) -> None:
+        """Warm start: every weight and buffer of the trained head at ``path`` (its draft
+        vocabulary, whose coverage of the held-out answers is reported, and tap scale included)."""
+        from selfspec.checkpoint import CheckpointError
+
+        init = selfspec.load_drafter(path, self.model)
+        if init.kind != "eagle3":
+            raise CheckpointError(f"init_from {path!r} holds a {init.kind!r} drafter, not an eagle3 head")
+        mine, theirs = self.head.state_dict(), init.head.state_dict()
+        wrong = sorted(k for k in mine if k not in theirs or theirs[k].shape != mine[k].shape)
+        if wrong or list(init.taps) != list(self.drafter.taps):
+            raise CheckpointError(f"init_from {path!r} has another head shape than this config's eagle3 section "
+                                  f"(taps {list(init.taps)} vs {list(self.drafter.taps)}; differing: {wrong[:4]})")
+        self.head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in theirs.items()})
+        _, self.coverage = draft_vocabulary(self.train_set, self.head.d2t.shape[0], vocab, self.eval_set)
+        self.vocab_coverage = round(_coverage_of(self.head.draft_ids.cpu(), self.eval_set, vocab), 5)
 
     @torch.no_grad()
     def _init_from_target(self) -> None:
@@ -287,11 +320,13 @@ class Eagle3Recipe(TrainingRun):
         metrics = self.evaluate() if self.acc.is_main_process else {}
         summary = {"steps": self.step, "train_examples": len(self.train_set), "eval_examples": len(self.eval_set),
                    "train_response_tokens": sum(len(e["response_ids"]) for e in self.train_set),
-                   "draft_vocab_coverage": self.coverage, "metrics": metrics}
+                   "draft_vocab_coverage": self.coverage, "vocab_in_use_coverage": self.vocab_coverage,
+                   "metrics": metrics}
         self.write_summary(summary)
         if self.cfg.export and self.acc.is_main_process:
             extra = {"training": asdict(self.cfg), "eval": metrics, "steps": self.step,
-                     "draft_vocab_coverage": self.coverage, "train_response_tokens": summary["train_response_tokens"]}
+                     "draft_vocab_coverage": self.coverage, "vocab_in_use_coverage": self.vocab_coverage,
+                     "train_response_tokens": summary["train_response_tokens"]}
             save_drafter(self.drafter, self.cfg.export, tokenizer=self.tokenizer, extra=extra,
                          weights_dtype=getattr(torch, self.cfg.export_dtype))
         return summary
