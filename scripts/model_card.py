@@ -157,8 +157,11 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
                   f"- optimizer steps: {extra.get('steps', '?')}; AdamW lr {o.get('lr', '?')}, {o.get('warmup_steps', '?')} "
                   f"warm-up steps, cosine to 10%, {o.get('epochs', '?')} epochs"
                   + (f"; training-time test steps: {training['ttt_steps']}" if "ttt_steps" in training else "")
-                  + (f"; response tokens: {extra['train_response_tokens']}" if "train_response_tokens" in extra else ""),
-                  ""]
+                  + (f"; response tokens: {extra['train_response_tokens']}" if "train_response_tokens" in extra else "")]
+        for run in extra.get("lineage") or []:  # init_from: the runs this head continued
+            lines.append(f"- continued from `{run.get('checkpoint')}`, itself trained {run.get('steps', '?')} optimizer steps "
+                         f"on `{run.get('dataset')}` ({run.get('train_response_tokens', '?')} response tokens)")
+        lines.append("")
     elif "training_free" in extra:
         lines += ["## Training", "", "None: training-free (the exit layer chosen by `scripts/pick_exit_layer.py` "
                   "from measured acceptance and cost).", ""]

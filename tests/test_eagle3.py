@@ -327,6 +327,7 @@ def test_training_continues_from_a_trained_head(tmp_path):
         torch.testing.assert_close(warm.head.state_dict()[k].to(v.dtype), v, msg=k)
     assert warm.evaluate()["eval/top1_per_step"] == pytest.approx(recipe.evaluate()["eval/top1_per_step"])
     assert 0 < warm.vocab_coverage <= 1
+    assert warm.lineage[0]["checkpoint"] == str(tmp_path / "head") and warm.lineage[0]["steps"] is None  # (unsaved)
     # negative controls: a foreign target, another head shape
     other = tiny_model("llama", layers=5, seed=7)
     with pytest.raises(CheckpointError, match="another target|fingerprint"):

@@ -28,19 +28,26 @@ looks through :meth:`~selfspec.drafters.base.Drafter.context_key` (prompt lookup
 n-gram that matched); the *context state* is the tuple of all members' keys, and each arm's speed
 is kept under the keys of its own members only: plain steps once, a member alone per its own key
 (prompt lookup with a 4-gram match is as fast whatever the head's key says), the merge per state.
-A member alone is tried as soon as its own key is new (a member has few keys, so this exploration
-is bounded); the merge, new in a state, borrows its speed over all states. At most one step in
+A member alone is tried as soon as its own key is new and no merged step has measured it there (a
+member has few keys, so this exploration is bounded); the merge, new in a state, borrows its speed
+over all states. At most one step in
 ``probe_every`` probes another arm, so all estimates stay current. Probes are scheduled per
 arm and its members' keys, like its speed (plain steps once for all states): an arm whose probe
 finds it still more than 10% slower than the best is probed half as often (down to every
 ``16 * probe_every`` steps; at once that rarely when it runs at less than half the best; back to
 every ``probe_every`` once within 10%), so exploring clearly losing arms costs little even in short
 generations. A member's step that drafted nothing is a plain step and also measures the plain arm.
+An arm that never ran is not tried blindly: the merge runs first,
+and its steps price every other arm: a member alone at the tokens the merge credits it with (see
+below) and plain steps at one token, each at a merged step's seconds less the timed drafting of
+the members it leaves out. Only where no merged step has measured a member's own key is that member
+tried alone (on short generations such blind trials were most of a union's loss to its best member).
 Arms are compared on the same steps where possible (*paired estimates*, see
 :meth:`UnionDrafter._own_estimate`): a merged step credits each member with what it alone would
 have accepted there, and the merge's speed is its paired gain over its best member; comparing arms
 only on the different stretches each ran made a merge look faster than prompt lookup alone by
-luck. An arm is not probed where its estimate is under half the best (a probe costs most there).
+luck. An arm whose estimate is under half the best is probed only every ``16 * probe_every`` steps
+(a probe costs most there; never probing it would freeze an estimate one unlucky step made).
 A simpler arm within 5% of the fastest estimate is preferred to it (estimates are noisy, and the
 luckiest arm would otherwise be chosen: a merge must be clearly faster than a member alone).
 So in every state the union runs what its best member
@@ -127,6 +134,7 @@ class UnionDrafter(Drafter):
         self.arm_steps = [0] * len(self.arms)  # how many steps each arm ran (diagnostics)
         self.probe_every, self.rate_decay, self.clock = probe_every, rate_decay, clock
         self.probe_margin, self.max_probe_wait, self.select_margin = 0.1, 16 * probe_every, 0.05
+        self.draft_seconds: list[list[float] | None] = [None] * len(members)  # decayed [seconds, calls]
         self.probe_wait: dict[tuple, int] = {}  # (arm, its members' keys) -> steps between its probes
         self.last_probe: dict = {}  # (arm, keys) -> step of its last probe; None -> of the last probe
         self.steps = 0  # steps decided so far (over all generations)
@@ -204,7 +212,8 @@ class UnionDrafter(Drafter):
         # first try what was never run, and a member alone whenever its own key is new (few keys
         # per member); the merge, new in this state, borrows its speed over all states
         guess = self.estimates(state)
-        unknown = [a for a, r in enumerate(guess) if r is None or (len(self.arms[a]) == 1 and not measured[a])]
+        unknown = [a for a, r in enumerate(guess) if r is None or (len(self.arms[a]) == 1 and keys[a] not in self.token_sums)]
+        unknown.sort(key=lambda a: -len(self.arms[a]))  # the merge first: its steps measure every member
         best = self._best(guess)
         probe = False
         if unknown:
@@ -218,11 +227,13 @@ class UnionDrafter(Drafter):
                     wait = self._next_wait(guess, a, self.probe_every)  # clearly waits from now on, as if
                     if wait > self.probe_every:  # just probed (else each new state's merge is due at once)
                         self.probe_wait[keys[a]], self.last_probe[keys[a]] = wait, self.steps
-            # (never where the arm's estimate is under half the best: a probe there costs the most,
-            # and an arm keyed on fewer members than the state, e.g. plain, is probed where it may win)
+            # (where the arm's estimate is under half the best only every max_probe_wait steps: a
+            # probe there costs the most, but never probing it would freeze an estimate that one
+            # unlucky step made)
             due = [] if self.steps < self.last_probe.get(None, 0) + self.probe_every else [
-                a for a in range(len(self.arms)) if a != best and (guess[a] or 0.0) >= 0.5 * (guess[best] or 0.0)
-                and self.steps >= self.last_probe.get(keys[a], 0) + self.probe_wait.get(keys[a], self.probe_every)]
+                a for a in range(len(self.arms)) if a != best and self.steps >= self.last_probe.get(keys[a], 0) + (
+                    self.probe_wait.get(keys[a], self.probe_every) if (guess[a] or 0.0) >= 0.5 * (guess[best] or 0.0)
+                    else self.max_probe_wait)]
             due.sort(key=lambda a: (measured[a], self.last_probe.get(keys[a], 0)))
             arm, probe = (due[0], True) if due else (best, False)
             if probe:
@@ -272,10 +283,12 @@ class UnionDrafter(Drafter):
         none under this key): a step's cost varies far less than its accepted length."""
         key = (arm, self.arm_key(arm, state))
         tokens = self.token_sums.get(key)
-        seconds = self.second_sums.get(key) or self.pooled_seconds[arm]
+        seconds = self.second_sums.get(key) or self.pooled_seconds[arm] or self._modeled_seconds(arm, state)
         if seconds is None or seconds[0] <= 0:
             return None
         per_step = None if tokens is None or tokens[1] <= 0 else tokens[0] / tokens[1]
+        if arm == 0:
+            per_step = 1.0  # a plain step emits one token
         if len(self.arms[arm]) > 1:  # the merge: its paired gain over its best member alone
             members = [(self._own_estimate(1 + m, state) or 0.0, m) for m in self.arms[arm]
                        if (state, m) in self.paired]
@@ -285,6 +298,25 @@ class UnionDrafter(Drafter):
                 own = self.token_sums.get((1 + m, self.arm_key(1 + m, state)))
                 per_step = ratio[0] / ratio[1] * own[0] / own[1]
         return None if per_step is None else per_step / (seconds[0] / seconds[1])
+
+    def _modeled_seconds(self, arm: int, state: tuple[int, ...]) -> list[float] | None:
+        """``[seconds, 1]`` of one step of an arm that never ran: a merged step's seconds less the
+        drafting time of the members the arm leaves out (each member's ``propose`` is timed in
+        every step that asks it). Its verify pass is over a smaller tree, so this overestimates the
+        arm's step a little: an arm is never preferred on a model, only spared a forced trial; its
+        own steps (probes, or where it is best) replace the model."""
+        merge = len(self.arms) - 1
+        if len(self.arms[merge]) < 2:
+            return None
+        ms = self.second_sums.get((merge, self.arm_key(merge, state))) or self.pooled_seconds[merge]
+        if ms is None or ms[1] <= 0:
+            return None
+        step = ms[0] / ms[1]
+        left_out = [m for m in self.arms[merge] if m not in self.arms[arm]]
+        if any(self.draft_seconds[m] is None for m in left_out):
+            return None
+        drafting = sum(self.draft_seconds[m][0] / self.draft_seconds[m][1] for m in left_out)
+        return [max(step - drafting, 0.05 * step), 1.0]
 
     def _best_first(self, member: int) -> float:
         """The highest value a depth-1 node of ``member`` can get (its best measured rank there;
@@ -314,7 +346,10 @@ class UnionDrafter(Drafter):
         for m, member in enumerate(self.members):
             if m not in chosen:
                 continue
+            t0 = self.clock()
             proposal = Proposal.of(member.propose(ctx))
+            old, d = self.draft_seconds[m] or [0.0, 0.0], self.rate_decay
+            self.draft_seconds[m] = [d * old[0] + self.clock() - t0, d * old[1] + 1.0]
             if proposal.handoff is not None:  # (never: a union gets no target cache to write in)
                 raise ValueError(f"{member.kind} handed off target layers, which a merged tree cannot use")
             tree = proposal.tree

@@ -144,6 +144,7 @@ class Eagle3Recipe(TrainingRun):
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
         draft_ids, self.coverage = draft_vocabulary(self.train_set, cfg.eagle3.draft_vocab_size, vocab, self.eval_set)
         self.vocab_coverage = self.coverage.get(cfg.eagle3.draft_vocab_size)  # of the vocabulary in use
+        self.lineage: list[dict] = []  # the runs an init_from head came from, newest first
         self.drafter = selfspec.build_drafter(self.model, "eagle3", **asdict(cfg.eagle3))
         self.head = self.trainable = self.drafter.head.float()
         if cfg.init_from:
@@ -180,6 +181,11 @@ class Eagle3Recipe(TrainingRun):
             raise CheckpointError(f"init_from {path!r} has another head shape than this config's eagle3 section "
                                   f"(taps {list(init.taps)} vs {list(self.drafter.taps)}; differing: {wrong[:4]})")
         self.head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in theirs.items()})
+        before = (init.checkpoint_meta.get("extra") or {})
+        self.lineage = [{"checkpoint": str(path), "steps": before.get("steps"),
+                         "dataset": (before.get("training") or {}).get("dataset"),
+                         "train_response_tokens": before.get("train_response_tokens"),
+                         "eval": before.get("eval")}] + list(before.get("lineage") or [])
         _, self.coverage = draft_vocabulary(self.train_set, self.head.d2t.shape[0], vocab, self.eval_set)
         self.vocab_coverage = round(_coverage_of(self.head.draft_ids.cpu(), self.eval_set, vocab), 5)
 
@@ -326,7 +332,7 @@ class Eagle3Recipe(TrainingRun):
         if self.cfg.export and self.acc.is_main_process:
             extra = {"training": asdict(self.cfg), "eval": metrics, "steps": self.step,
                      "draft_vocab_coverage": self.coverage, "vocab_in_use_coverage": self.vocab_coverage,
-                     "train_response_tokens": summary["train_response_tokens"]}
+                     "train_response_tokens": summary["train_response_tokens"], "lineage": self.lineage}
             save_drafter(self.drafter, self.cfg.export, tokenizer=self.tokenizer, extra=extra,
                          weights_dtype=getattr(torch, self.cfg.export_dtype))
         return summary
