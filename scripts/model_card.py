@@ -175,6 +175,9 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
         cov = extra["draft_vocab_coverage"]
         lines += ["Draft vocabulary: share of held-out response tokens covered by the top-n tokens of the "
                   "training responses:", "", _table([["n"] + list(cov), ["coverage"] + [f"{v:.3f}" for v in cov.values()]]), ""]
+        if extra.get("lineage") and extra.get("vocab_in_use_coverage") is not None:
+            lines += [f"The vocabulary in use is the first run's (kept by every continued run): it covers "
+                      f"{extra['vocab_in_use_coverage']:.3f} of the latest run's held-out response tokens.", ""]
     lines += _eval_lines(meta["kind"], ev)
     lines += _calibration_lines(extra)
     if costs:
