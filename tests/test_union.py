@@ -108,22 +108,29 @@ class _Clock:
         self.now += seconds * float(torch.exp(0.25 * torch.randn((), generator=self.gen)))
 
 
-def _race(members_and_union, reference, clock):
-    """Tokens per virtual second of each drafter on the same prompt (adaptive policy on): a target
-    pass costs 1 s plus 0.15 s per drafted node (a CPU's small-batch GEMMs); drafters add their own."""
-    from selfspec.adaptive import AdaptivePolicy
+def timed_target(clock, vocab: int = 6, per_node: float = 0.15):
+    """A table target whose pass costs ``1 + per_node`` virtual seconds per drafted node on ``clock``
+    (a CPU's small-batch GEMMs)."""
     from stubs import TableTarget
 
     class Timed(TableTarget):
         def forward_tree(self, tree, handoff=None):
-            clock.spend(1.0 + 0.15 * (tree.num_nodes - 1))
+            clock.spend(1.0 + per_node * (tree.num_nodes - 1))
             return super().forward_tree(tree)
+
+    return Timed(vocab, 0)
+
+
+def _race(members_and_union, reference, clock):
+    """Tokens per virtual second of each drafter on the same prompt (adaptive policy on): a target
+    pass costs 1 s plus 0.15 s per drafted node (a CPU's small-batch GEMMs); drafters add their own."""
+    from selfspec.adaptive import AdaptivePolicy
 
     speeds = {}
     for name, drafter in members_and_union.items():
         clock.now, policy = 0.0, AdaptivePolicy()
         policy.begin()
-        out = decode(Timed(6, 0), torch.tensor([1, 2]), drafter, SamplingConfig(0.0), torch.Generator(),
+        out = decode(timed_target(clock), torch.tensor([1, 2]), drafter, SamplingConfig(0.0), torch.Generator(),
                      400, set(), 1000, policy, clock=clock)
         assert out.sequences[0].tolist() == reference[:402], name
         speeds[name] = out.stats.new_tokens / clock.now
@@ -249,14 +256,8 @@ def test_short_generations_do_not_pay_for_blind_trials():
     import math
 
     from selfspec.adaptive import AdaptivePolicy
-    from stubs import TableTarget
 
     clock = _Clock()
-
-    class Timed(TableTarget):
-        def forward_tree(self, tree, handoff=None):
-            clock.spend(1.0 + 0.04 * (tree.num_nodes - 1))
-            return super().forward_tree(tree)
 
     class Head(OracleDrafter):
         def propose(self, ctx):
@@ -284,8 +285,8 @@ def test_short_generations_do_not_pay_for_blind_trials():
         clock.gen.manual_seed(seed)
         policy = AdaptivePolicy()
         policy.begin()
-        out = decode(Timed(6, 0), prompt, drafter, SamplingConfig(0.0), torch.Generator(), 64, set(), 1000, policy,
-                     clock=clock)
+        out = decode(timed_target(clock, per_node=0.04), prompt, drafter, SamplingConfig(0.0), torch.Generator(), 64,
+                     set(), 1000, policy, clock=clock)
         assert out.sequences[0].tolist() == reference[:66]
         return out.stats.new_tokens / clock.now
 

@@ -209,10 +209,12 @@ class UnionDrafter(Drafter):
         measured = [k in self.sums for k in keys]
         self.state_steps[state] = self.state_steps.get(state, 0) + 1
         self.steps += 1
-        # first try what was never run, and a member alone whenever its own key is new (few keys
-        # per member); the merge, new in this state, borrows its speed over all states
+        # first try what was never run or priced (see `_modeled_seconds`), and a member alone whose
+        # own key no step has measured yet (few keys per member); the merge, new in this state,
+        # borrows its speed over all states
         guess = self.estimates(state)
-        unknown = [a for a, r in enumerate(guess) if r is None or (len(self.arms[a]) == 1 and keys[a] not in self.token_sums)]
+        unknown = [a for a, r in enumerate(guess)
+                   if r is None or (len(self.arms[a]) == 1 and keys[a] not in self.token_sums)]
         unknown.sort(key=lambda a: -len(self.arms[a]))  # the merge first: its steps measure every member
         best = self._best(guess)
         probe = False

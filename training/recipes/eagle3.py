@@ -170,23 +170,24 @@ class Eagle3Recipe(TrainingRun):
     def _init_from_drafter(self, path: str, vocab: int) -> None:
         """Warm start: every weight and buffer of the trained head at ``path`` (its draft
         vocabulary, whose coverage of the held-out answers is reported, and tap scale included)."""
-        from selfspec.checkpoint import CheckpointError
+        from selfspec.checkpoint import CheckpointError, adapter_state
 
         init = selfspec.load_drafter(path, self.model)
         if init.kind != "eagle3":
             raise CheckpointError(f"init_from {path!r} holds a {init.kind!r} drafter, not an eagle3 head")
-        mine, theirs = self.head.state_dict(), init.head.state_dict()
-        wrong = sorted(k for k in mine if k not in theirs or theirs[k].shape != mine[k].shape)
-        if wrong or list(init.taps) != list(self.drafter.taps):
-            raise CheckpointError(f"init_from {path!r} has another head shape than this config's eagle3 section "
-                                  f"(taps {list(init.taps)} vs {list(self.drafter.taps)}; differing: {wrong[:4]})")
+        try:
+            if list(init.taps) != list(self.drafter.taps):
+                raise ValueError(f"taps {list(init.taps)} vs {list(self.drafter.taps)}")
+            theirs = adapter_state(init.head.state_dict(), "", self.head.state_dict())
+        except ValueError as err:
+            raise CheckpointError(f"init_from {path!r} has another head shape than this config's eagle3 "
+                                  f"section: {err}") from None
         self.head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in theirs.items()})
         before = (init.checkpoint_meta.get("extra") or {})
         self.lineage = [{"checkpoint": str(path), "steps": before.get("steps"),
                          "dataset": (before.get("training") or {}).get("dataset"),
                          "train_response_tokens": before.get("train_response_tokens"),
                          "eval": before.get("eval")}] + list(before.get("lineage") or [])
-        _, self.coverage = draft_vocabulary(self.train_set, self.head.d2t.shape[0], vocab, self.eval_set)
         self.vocab_coverage = round(_coverage_of(self.head.draft_ids.cpu(), self.eval_set, vocab), 5)
 
     @torch.no_grad()
