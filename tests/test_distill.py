@@ -96,11 +96,14 @@ def test_benchmark_prompts_never_reach_distillation(tmp_path):
         real = collect_prompts(DistillConfig(**(job.distill.__dict__ | {"data_dir": str(DATA)})))
         assert not {p["user"].strip() for p in real} & benchmark_prompts(DATA)
         # the second window (skip) is held out the same way and shares no prompt with the first
-        job_c = load_any(Path(__file__).resolve().parents[1] / "configs" / "distill_chat_smollm2_c.yaml")
-        more = collect_prompts(DistillConfig(**(job_c.distill.__dict__ | {"data_dir": str(DATA)})))
-        assert not {p["user"].strip() for p in more} & benchmark_prompts(DATA)
         ids = lambda ps: {(p["source"], p["source_id"]) for p in ps if p["source"] in ("chat", "tools")}  # noqa: E731
-        assert ids(more) and not ids(more) & ids(real)  # (a few prompt texts occur twice in the set itself)
+        seen = ids(real)
+        for window in ("c", "d"):  # later windows: held out alike, no prompt of an earlier window
+            job_w = load_any(Path(__file__).resolve().parents[1] / "configs" / f"distill_chat_smollm2_{window}.yaml")
+            more = collect_prompts(DistillConfig(**(job_w.distill.__dict__ | {"data_dir": str(DATA)})))
+            assert not {p["user"].strip() for p in more} & benchmark_prompts(DATA)
+            assert ids(more) and not ids(more) & seen  # (a few prompt texts occur twice in the set itself)
+            seen |= ids(more)
 
 
 def test_skip_takes_the_next_window_of_a_source(tmp_path):
@@ -117,3 +120,20 @@ def test_skip_takes_the_next_window_of_a_source(tmp_path):
         collect_prompts(DistillConfig(sources={"chat": 1}, skip={"chat": 5}, **base))
     with pytest.raises(ValueError, match="unknown"):
         collect_prompts(DistillConfig(sources={"chat": 1}, skip={"chats": 1}, **base))
+
+
+def test_a_separate_window_is_held_out_without_any_prompt_trained_on():
+    """``held_out_dataset``: all of the training data trains; the evaluated answers are a seeded
+    sample of the other window minus any whose prompt was trained on (counted); empty is refused."""
+    from training.batching import held_out_dataset
+
+    ex = lambda p, r=(1,): {"prompt_ids": list(p), "response_ids": list(r)}  # noqa: E731
+    train = [ex((1, 2)), ex((3,)), ex((4,), ())]  # the last has no answer: unusable
+    held = [ex((5,)), ex((3,)), ex((6, 7)), ex((8,))]
+    tr, ev, dropped = held_out_dataset(train, held, seed=0, max_eval=2)
+    assert tr == train[:2] and dropped == 1 and len(ev) == 2
+    assert not {tuple(e["prompt_ids"]) for e in ev} & {(1, 2), (3,)}
+    assert held_out_dataset(train, held, seed=0, max_eval=2)[1] == ev  # seeded
+    assert {tuple(e["prompt_ids"]) for e in held_out_dataset(train, held, 0, 9)[1]} == {(5,), (6, 7), (8,)}
+    with pytest.raises(ValueError, match="non-empty"):
+        held_out_dataset(train, [ex((3,))], seed=0, max_eval=2)

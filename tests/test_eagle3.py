@@ -328,6 +328,20 @@ def test_training_continues_from_a_trained_head(tmp_path):
     assert warm.evaluate()["eval/top1_per_step"] == pytest.approx(recipe.evaluate()["eval/top1_per_step"])
     assert 0 < warm.vocab_coverage <= 1
     assert warm.lineage[0]["checkpoint"] == str(tmp_path / "head") and warm.lineage[0]["steps"] is None  # (unsaved)
+    # evaluated on a separate window (eval_dataset): all the data trains, no evaluated prompt was trained on
+    import json
+
+    shards = tmp_path / "window" / "shards"
+    shards.mkdir(parents=True)
+    later = [dict(ex, prompt_ids=[1] + ex["prompt_ids"]) for ex in recipe.examples[:5]] + recipe.examples[:2]
+    (shards / "00000.jsonl").write_text("".join(json.dumps(ex) + "\n" for ex in later))
+    held = replace(cfg, eval_dataset=str(tmp_path / "window"))
+    held.run = replace(cfg.run, out_dir=str(tmp_path / "d"))
+    windowed = Eagle3Recipe(held, model=model, examples=recipe.examples)
+    windowed.setup()
+    assert len(windowed.train_set) == len(recipe.examples) and windowed.eval_dropped >= 1
+    trained = {tuple(ex["prompt_ids"]) for ex in recipe.examples}
+    assert windowed.eval_set and not {tuple(ex["prompt_ids"]) for ex in windowed.eval_set} & trained
     # negative controls: a foreign target, another head shape
     other = tiny_model("llama", layers=5, seed=7)
     with pytest.raises(CheckpointError, match="another target|fingerprint"):

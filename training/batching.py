@@ -63,3 +63,19 @@ def split_examples(examples: list[dict], eval_fraction: float, seed: int, max_ev
     order = torch.randperm(len(usable), generator=torch.Generator().manual_seed(seed)).tolist()
     n_eval = max(1, int(len(usable) * eval_fraction))
     return [usable[i] for i in order[n_eval:]], [usable[i] for i in order[:n_eval]][:max_eval]
+
+
+def held_out_dataset(train: list[dict], held: list[dict], seed: int, max_eval: int
+                     ) -> tuple[list[dict], list[dict], int]:
+    """``(train_set, eval_set, dropped)``: every usable example of ``train`` for training and a seeded
+    sample of at most ``max_eval`` usable examples of ``held`` for evaluation, none of whose prompts
+    occurs in ``train`` (``dropped`` counts those removed for that). Refuses an empty result."""
+    usable = lambda rows: [ex for ex in rows if ex["response_ids"] and ex["prompt_ids"]]  # noqa: E731
+    train, held = usable(train), usable(held)
+    seen = {tuple(ex["prompt_ids"]) for ex in train}
+    fresh = [ex for ex in held if tuple(ex["prompt_ids"]) not in seen]
+    if not train or not fresh:
+        raise ValueError(f"held-out dataset: {len(train)} training and {len(fresh)} unseen held-out examples; "
+                         "both must be non-empty")
+    order = torch.randperm(len(fresh), generator=torch.Generator().manual_seed(seed)).tolist()
+    return train, [fresh[i] for i in order[:max_eval]], len(held) - len(fresh)

@@ -33,7 +33,7 @@ from selfspec.drafters.eagle3 import Eagle3Config
 from selfspec.lm_head import lm_logits
 from selfspec.taps import capture_taps
 
-from ..batching import batch_at, collate, length_buckets, load_distilled, split_examples
+from ..batching import batch_at, collate, held_out_dataset, length_buckets, load_distilled, split_examples
 from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -52,8 +52,13 @@ class Eagle3TrainConfig:
         eagle3: head shape and tree policy of the exported drafter.
         ttt_steps: K >= 1 unrolled steps of the training-time test.
         step_decay: loss weight of step j is ``step_decay ** j``.
-        eval_fraction: share of examples held out for evaluation.
+        eval_fraction: share of examples held out for evaluation (when ``eval_dataset`` is unset).
         max_eval_examples: cap on held-out examples evaluated.
+        eval_dataset: a distillation folder evaluated instead of a split of ``dataset``, which is
+            then trained on whole. A split drawn from a dataset that grows between runs moves, so
+            a run continued (``init_from``) on grown data would be evaluated on answers it was
+            trained on; a separate window of prompts (``skip``) is held out for every head alike.
+            Its answers whose prompt also occurs in ``dataset`` are dropped (and counted).
         max_len: longest example (tokens) used; longer ones are cut.
         tokens_per_batch: padded tokens per training batch (examples are bucketed by length).
         target_dtype: dtype of the frozen target's feature pass (``float32`` / ``bfloat16``).
@@ -79,6 +84,7 @@ class Eagle3TrainConfig:
     step_decay: float = 0.8
     eval_fraction: float = 0.03
     max_eval_examples: int = 96
+    eval_dataset: str | None = None
     max_len: int = 768
     tokens_per_batch: int = 4096
     target_dtype: str = "float32"
@@ -139,8 +145,13 @@ class Eagle3Recipe(TrainingRun):
         cfg = self.cfg
         if self.examples is None:
             self.examples = load_distilled(cfg.dataset)
-        self.train_set, self.eval_set = split_examples(self.examples, cfg.eval_fraction, cfg.run.seed,
-                                                       cfg.max_eval_examples)
+        if cfg.eval_dataset:
+            self.train_set, self.eval_set, self.eval_dropped = held_out_dataset(
+                self.examples, load_distilled(cfg.eval_dataset), cfg.run.seed, cfg.max_eval_examples)
+        else:
+            self.train_set, self.eval_set = split_examples(self.examples, cfg.eval_fraction, cfg.run.seed,
+                                                           cfg.max_eval_examples)
+            self.eval_dropped = 0
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
         draft_ids, self.coverage = draft_vocabulary(self.train_set, cfg.eagle3.draft_vocab_size, vocab, self.eval_set)
         self.vocab_coverage = self.coverage.get(cfg.eagle3.draft_vocab_size)  # of the vocabulary in use
@@ -326,6 +337,7 @@ class Eagle3Recipe(TrainingRun):
     def export(self) -> dict:
         metrics = self.evaluate() if self.acc.is_main_process else {}
         summary = {"steps": self.step, "train_examples": len(self.train_set), "eval_examples": len(self.eval_set),
+                   "eval_dropped_as_seen": self.eval_dropped,
                    "train_response_tokens": sum(len(e["response_ids"]) for e in self.train_set),
                    "draft_vocab_coverage": self.coverage, "vocab_in_use_coverage": self.vocab_coverage,
                    "metrics": metrics}
