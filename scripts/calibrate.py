@@ -44,16 +44,32 @@ TREE_OPTIONS = ("tree", "max_nodes", "max_depth", "width", "branch")
 
 
 def training_prompts(meta: dict) -> set[str]:
-    """User texts the drafter was trained on (from its distillation folder's manifest), to keep
-    them out of calibration."""
+    """User texts the drafter was trained on, to keep them out of calibration: the prompts of its
+    own training data and of every run it was continued from (``lineage``), each read from the
+    distillation folder's manifest or, where that folder is absent (``runs/`` of another
+    session), from the distill config in configs/ that wrote it. Refuses a dataset it cannot trace."""
+    from training.config import load_any
     from training.distill import DistillConfig, collect_prompts
 
-    dataset = (meta.get("extra") or {}).get("training", {}).get("dataset")
-    manifest = Path(dataset or "") / "manifest.json"
-    if not dataset or not manifest.exists():
-        return set()
-    cfg = DistillConfig(**json.loads(manifest.read_text(encoding="utf-8"))["config"])
-    return {p["user"].strip() for p in collect_prompts(cfg)}
+    extra = meta.get("extra") or {}
+    datasets = [(extra.get("training") or {}).get("dataset")] + [r.get("dataset") for r in extra.get("lineage") or []]
+    configs = {}
+    for path in sorted((Path(__file__).resolve().parents[1] / "configs").glob("distill*.yaml")):
+        job = load_any(path)
+        configs[os.path.normpath(job.out)] = job.distill
+    texts: set[str] = set()
+    for dataset in filter(None, datasets):
+        manifest = Path(dataset) / "manifest.json"
+        if manifest.exists():
+            cfg = DistillConfig(**json.loads(manifest.read_text(encoding="utf-8"))["config"])
+        elif os.path.normpath(dataset) in configs:
+            cfg = configs[os.path.normpath(dataset)]
+            cfg = DistillConfig(**(cfg.__dict__ | {"data_dir": str(SHARED)}))
+        else:
+            raise SystemExit(f"the drafter was trained on {dataset!r}, which has no manifest here and no distill "
+                             "config in configs/ writes it: its prompts cannot be kept out of calibration")
+        texts |= {p["user"].strip() for p in collect_prompts(cfg)}
+    return texts
 
 
 def main(argv=None) -> None:

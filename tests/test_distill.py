@@ -137,3 +137,30 @@ def test_a_separate_window_is_held_out_without_any_prompt_trained_on():
     assert {tuple(e["prompt_ids"]) for e in held_out_dataset(train, held, 0, 9)[1]} == {(5,), (6, 7), (8,)}
     with pytest.raises(ValueError, match="non-empty"):
         held_out_dataset(train, [ex((3,))], seed=0, max_eval=2)
+
+
+def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_on(tmp_path):
+    """``scripts/calibrate.py``'s hold-out: the prompts of the head's dataset (its manifest) and of
+    every dataset in its lineage; an absent ``runs/`` folder is traced to the distill config in
+    configs/ that writes it; a dataset it cannot trace is refused, never silently ignored."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("calibrate_script", Path(__file__).resolve().parents[1] / "scripts" / "calibrate.py")
+    calibrate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibrate)
+    data = _fixture(tmp_path)
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    cfg = DistillConfig(sources={"chat": 2}, data_dir=str(data), holdout=2, sampled_every=0)
+    (folder / "manifest.json").write_text(json.dumps({"config": cfg.__dict__}))
+    mine = {p["user"].strip() for p in collect_prompts(cfg)}
+    meta = {"extra": {"training": {"dataset": str(folder)}, "lineage": [{"dataset": str(folder)}]}}
+    assert calibrate.training_prompts(meta) == mine and mine
+    lost = {"extra": {"training": {"dataset": str(folder)}, "lineage": [{"dataset": "runs/distill/nowhere"}]}}
+    with pytest.raises(SystemExit, match="cannot be kept out"):
+        calibrate.training_prompts(lost)
+    if DATA.exists():  # the shipped head's first window lives in runs/ of an earlier session
+        calibrate.SHARED = DATA
+        traced = calibrate.training_prompts({"extra": {"lineage": [{"dataset": "runs/distill/smollm2-chat-b"}]}})
+        assert len(traced) > 4000
