@@ -134,6 +134,26 @@ def test_benchmark_smoke_with_peers_schema_and_resume(tmp_path):
     assert len(again) == 15 and len(calls) == 2  # the warm-up call and the one remaining turn
 
 
+def test_methods_run_in_an_order_rotated_per_turn(tmp_path):
+    """No method always runs first or right after another (order effects cancel over the turns);
+    every record still pairs with the baseline of its own turn."""
+    tok = tiny_tokenizer(128)
+    model = tiny_model("llama", vocab=len(tok))
+    order = []
+
+    def named(name):
+        def run(model, ids, **kw):
+            order.append(name)
+            return benchmark.SelfspecMethod(None)(model, ids, **kw)
+        return run
+
+    records = benchmark.run(model, tok, _questions(tmp_path), {"a": named("a"), "b": named("b")},
+                            max_new_tokens=8, progress=False)
+    turns = [order[i:i + 2] for i in range(2, len(order), 2)]  # (after the warm-up calls)
+    assert turns == [["a", "b"], ["a", "b"], ["b", "a"]]  # baseline, a, b; a, b, baseline; b, baseline, a
+    assert all(r.identical_to_baseline for r in records)  # each paired with its own turn's baseline
+
+
 def test_docs_tables_match_their_result_files():
     """Every result block embedded in the docs equals the result file it names."""
     import importlib.util

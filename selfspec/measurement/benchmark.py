@@ -266,7 +266,8 @@ def run(
     on_turn: Callable[[list[Record]], None] | None = None,
     constrain: Callable[[Question], object] | None = None,
 ) -> list[Record]:
-    """Run ``baseline`` and each method ({name: method, drafter or ``None``}) on every turn.
+    """Run ``baseline`` and each method ({name: method, drafter or ``None``}) on every turn, in an
+    order rotated by one from turn to turn (so position effects cancel in the paired ratios).
 
     ``done``: records of an interrupted run; turns whose every method is recorded there are not
     run again (their stored baseline reply continues the conversation). ``on_turn`` receives each
@@ -288,6 +289,7 @@ def run(
     warm = torch.tensor([[0, 1]])
     for runner in [baseline, *runners.values()]:  # warm-up: first-call costs hit no measured run
         runner(model, warm, max_new_tokens=2, temperature=temperature, seed=seed)
+    rotation = 0
     for q in questions:
         for runner in runners.values():
             if hasattr(runner, "new_session"):
@@ -301,15 +303,26 @@ def run(
             else:
                 ids = encode_chat(tokenizer, history, system=q.system)
                 limit = (lambda: dict(constraint=constrain(q))) if constrain is not None else dict
-                with PeakMemory(device) as mem:
-                    base = baseline(model, ids, **gen, **limit())
-                reply = tokenizer.decode(base.sequences[0, ids.shape[1]:], skip_special_tokens=True)
-                turn_records = [_record(q, turn, "baseline", ids, base, True, mem.peak_mib, reply)]
-                for name, runner in runners.items():
+                # the methods run in an order rotated from turn to turn (baseline included), so no
+                # method always runs right after another one (allocator and cache state, a
+                # drafter's one-off costs) or first: such order effects cancel over the turns
+                names = ["baseline", *runners]
+                shift = rotation % len(names)
+                rotation += 1
+                outs, peaks = {}, {}
+                for name in names[shift:] + names[:shift]:
+                    runner = baseline if name == "baseline" else runners[name]
+                    extra = {} if name == "baseline" else dict(tools=q.meta.get("tools"))
                     with PeakMemory(device) as mem:
-                        out = runner(model, ids, **gen, tools=q.meta.get("tools"), **limit())
+                        outs[name] = runner(model, ids, **gen, **extra, **limit())
+                    peaks[name] = mem.peak_mib
+                base = outs["baseline"]
+                reply = tokenizer.decode(base.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+                turn_records = [_record(q, turn, "baseline", ids, base, True, peaks["baseline"], reply)]
+                for name, runner in runners.items():
+                    out = outs[name]
                     same = torch.equal(out.sequences.cpu(), base.sequences.cpu())
-                    rec = _record(q, turn, name, ids, out, same, mem.peak_mib)
+                    rec = _record(q, turn, name, ids, out, same, peaks[name])
                     if not same and temperature == 0 and not isinstance(runner, OnModel):
                         why = divergence(model, base.sequences, out.sequences, ids.shape[1])
                         rec.divergence = None if why is None else asdict(why) | {"explained": why.explained}
