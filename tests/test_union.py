@@ -302,3 +302,50 @@ def test_short_generations_do_not_pay_for_blind_trials():
     mean = {k: math.exp(sum(map(math.log, v)) / len(v)) for k, v in ratios.items()}
     assert mean["union"] >= 0.95, (mean, ratios)
     assert mean["blind"] < 0.93, (mean, ratios)  # the negative control fails the bound
+
+
+def test_a_members_slow_first_call_does_not_price_its_arms():
+    """A good head whose first call in the process costs 15 target passes (kernel selection,
+    weight packing) and a cheap member that is always wrong, in a first generation. The union must
+    run about as fast as the head alone (both pay the first call once): that call counts at most as
+    much as the rest of its step in any arm's speed. Negative control: a union that times first calls like any other
+    prices the merge and the head at that cost, runs plain steps and is far slower."""
+    clock = _Clock()
+
+    class Head(OracleDrafter):
+        calls = 0
+
+        def propose(self, ctx):
+            clock.spend(15.0 if self.calls == 0 else 0.1)
+            self.calls += 1
+            return super().propose(ctx)
+
+    class Wrong(OracleDrafter):
+        def propose(self, ctx):
+            clock.spend(0.005)
+            return super().propose(ctx)
+
+    class Timed(UnionDrafter):  # the design before: first calls timed like any other
+        def propose(self, ctx):
+            self.warm = [True] * len(self.members)
+            return super().propose(ctx)
+
+    prompt = torch.tensor([1, 2])
+    reference = decode(table_target(), prompt, None, SamplingConfig(0.0), torch.Generator(), 200, set(),
+                       1000).sequences[0].tolist()
+
+    def speed(drafter):
+        clock.now = 0.0
+        out = decode(timed_target(clock), prompt, drafter, SamplingConfig(0.0), torch.Generator(), 200,
+                     set(), 1000, None, clock=clock)
+        assert out.sequences[0].tolist() == reference[:202]
+        return out.stats.new_tokens / clock.now
+
+    def members():
+        return [Head(reference, 6, depth=4, sibling=False),
+                Wrong(reference, 6, depth=3, sibling=False, corrupt=lambda pos, tok: (tok + 1) % 6)]
+
+    head = speed(members()[0])
+    union, timed = speed(UnionDrafter(members(), clock=clock)), speed(Timed(members(), clock=clock))
+    assert head > 2.0 and union >= 0.9 * head, (head, union, timed)
+    assert timed < 0.6 * head, (head, union, timed)  # the negative control fails the bound

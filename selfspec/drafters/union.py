@@ -56,6 +56,13 @@ asked in a step are told to ``skip`` it (so feature-reading drafters stay in syn
 drafts depends only on committed tokens and measured past steps, never on the current draws, so
 every step stays exact.
 
+A member's first call in the process counts at most as much as the rest of its step (the verify
+pass and the other members' drafting), in the step's time and as the member's drafting time. A
+first call pays one-off costs (kernel selection, weight packing: about half a second for an
+EAGLE-3 head in bf16 here, ten verify passes), and one such step would price its arm, and every
+arm modeled from it, far too slow for a long time (an arm under half the best is probed rarely).
+A capped first call still errs on the slow side, which the arm's next steps correct.
+
 Only point-mass trees can be merged: a sampled child carries a law tied to its own siblings,
 which a merge would break; members that can sample are asked for point-mass trees.
 """
@@ -135,6 +142,8 @@ class UnionDrafter(Drafter):
         self.probe_every, self.rate_decay, self.clock = probe_every, rate_decay, clock
         self.probe_margin, self.max_probe_wait, self.select_margin = 0.1, 16 * probe_every, 0.05
         self.draft_seconds: list[list[float] | None] = [None] * len(members)  # decayed [seconds, calls]
+        self.warm = [False] * len(members)  # has the member drafted before (in this process)?
+        self._cold: list[tuple[int, float]] = []  # (member, seconds) of first calls in the pending step
         self.probe_wait: dict[tuple, int] = {}  # (arm, its members' keys) -> steps between its probes
         self.last_probe: dict = {}  # (arm, keys) -> step of its last probe; None -> of the last probe
         self.steps = 0  # steps decided so far (over all generations)
@@ -196,9 +205,10 @@ class UnionDrafter(Drafter):
             state, arm, start, length, tokens, probe, empty = self._pending
             now = self.clock()
             if ctx.tokens.shape[0] == length + tokens and now > start:  # nothing ran in between
-                self._record(arm, state, tokens, now - start)
+                seconds = self._discount_first_calls(now - start)
+                self._record(arm, state, tokens, seconds)
                 if empty and arm != 0:  # an empty draft is a plain step: it measures the plain arm too
-                    self._record(0, state, tokens, now - start)
+                    self._record(0, state, tokens, seconds)
                 if probe:  # a probed arm that still loses is probed less often (at once the least
                     guess = self.estimates(state)  # often when it is worse than half the best)
                     key = (arm, self.arm_key(arm, state))
@@ -241,8 +251,17 @@ class UnionDrafter(Drafter):
             if probe:
                 self.last_probe[keys[arm]] = self.last_probe[None] = self.steps
         self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe, False)
+        self._cold = []
         self.arm_steps[arm] += 1
         return arm
+
+    def _discount_first_calls(self, seconds: float) -> float:
+        """A step's seconds with its members' first calls counted at most as much as the rest of
+        the step (each; that is also their first drafting time): see the module docstring."""
+        rest = seconds - sum(c for _, c in self._cold)
+        for m, c in self._cold:
+            self.draft_seconds[m] = [min(c, rest), 1.0]
+        return rest + sum(min(c, rest) for _, c in self._cold)
 
     def _next_wait(self, guess: list[float | None], arm: int, wait: int) -> int:
         """Steps until ``arm`` is probed again under the keys it was estimated for: the longest wait
@@ -350,8 +369,12 @@ class UnionDrafter(Drafter):
                 continue
             t0 = self.clock()
             proposal = Proposal.of(member.propose(ctx))
-            old, d = self.draft_seconds[m] or [0.0, 0.0], self.rate_decay
-            self.draft_seconds[m] = [d * old[0] + self.clock() - t0, d * old[1] + 1.0]
+            if self.warm[m]:
+                old, d = self.draft_seconds[m] or [0.0, 0.0], self.rate_decay
+                self.draft_seconds[m] = [d * old[0] + self.clock() - t0, d * old[1] + 1.0]
+            else:  # a first call pays one-off costs (kernel selection, weight packing)
+                self.warm[m] = True
+                self._cold.append((m, self.clock() - t0))
             if proposal.handoff is not None:  # (never: a union gets no target cache to write in)
                 raise ValueError(f"{member.kind} handed off target layers, which a merged tree cannot use")
             tree = proposal.tree
