@@ -111,7 +111,8 @@ def test_draft_cache_after_compaction_equals_a_fresh_recomputation():
 
 def test_skipped_steps_are_caught_up_at_the_next_proposal():
     """Inside a union the head is told to skip steps: their taps are kept and run in one call at the
-    next proposal, which then drafts the same tree as a head that saw every step."""
+    next proposal, which then drafts the same tree as a head that saw every step; the same when
+    the union first calls ``sync`` (timed apart) and then ``propose``."""
     from selfspec.drafters.base import DraftContext
     from selfspec.sampling import SamplingConfig
 
@@ -119,6 +120,8 @@ def test_skipped_steps_are_caught_up_at_the_next_proposal():
     every = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6), scale=0.5)
     lazy = build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6)
     lazy.head.load_state_dict(every.head.state_dict())
+    synced = build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6)
+    synced.head.load_state_dict(every.head.state_dict())
     seq = torch.tensor([3, 9, 27, 3, 9, 27, 3, 9, 5, 11, 4, 8, 15, 16, 23, 42]) % model.config.vocab_size
     taps = TreeTarget(model, taps=every.taps).prefill(seq).taps  # [15, 3H]: positions 0..14
     cuts = [4, 7, 8, 12]  # committed lengths at successive steps
@@ -128,10 +131,16 @@ def test_skipped_steps_are_caught_up_at_the_next_proposal():
         tree = every.propose(ctx)
         if i < len(cuts) - 1:
             lazy.skip(ctx)
+            synced.skip(ctx)
         else:
             other = lazy.propose(ctx)
             assert torch.equal(tree.tokens, other.tokens) and torch.equal(tree.parents, other.parents)
             torch.testing.assert_close(lazy.k, every.k)
+            synced.sync(ctx)
+            assert synced.cached == c and not synced._deferred
+            third = synced.propose(ctx)  # finds its cache current: nothing run twice
+            assert torch.equal(tree.tokens, third.tokens) and torch.equal(tree.parents, third.parents)
+            torch.testing.assert_close(synced.k, every.k)
         prev = c
 
 

@@ -349,3 +349,69 @@ def test_a_members_slow_first_call_does_not_price_its_arms():
     union, timed = speed(UnionDrafter(members(), clock=clock)), speed(Timed(members(), clock=clock))
     assert head > 2.0 and union >= 0.9 * head, (head, union, timed)
     assert timed < 0.6 * head, (head, union, timed)  # the negative control fails the bound
+
+
+def test_a_member_left_out_is_not_charged_for_catching_up_on_what_it_skipped():
+    """A head with its own cache (syncing costs per position behind, as an EAGLE-3 layer's does)
+    that pays a little alone, and a lookup that copies in alternate stretches of 40 tokens and
+    drafts nothing in between. While the lookup runs, the head skips; its first step after a
+    stretch syncs the whole stretch. The union charges that per position, for the tokens its step
+    emitted, so it runs the head between the lookup's stretches and beats both members by 15% on every
+    seed. Negative control: a union that charges the whole sync to that step can price the head
+    below plain steps there and then runs plain steps, losing that gain."""
+    clock = _Clock()
+    period = 40
+
+    class Head(OracleDrafter):
+        seen = 0
+
+        def reset(self):
+            self.seen = 0
+
+        def sync(self, ctx):
+            clock.spend(0.03 * (ctx.tokens.shape[0] - self.seen))
+            self.seen = ctx.tokens.shape[0]
+
+        def propose(self, ctx):
+            self.sync(ctx)  # (alone, nothing calls sync: propose catches up itself)
+            clock.spend(0.2)
+            return super().propose(ctx)
+
+    def matching(ctx):
+        return (ctx.tokens.shape[0] // period) % 2 == 0
+
+    class Lookup(OracleDrafter):
+        def context_key(self, ctx):
+            return 4 if matching(ctx) else 0
+
+        def propose(self, ctx):
+            clock.spend(0.005)
+            return super().propose(ctx) if matching(ctx) else DraftTree.root_only(ctx.root_token)
+
+    class Whole(UnionDrafter):  # the design before: a sync is charged whole to its step
+        def _charge_calls(self, seconds, tokens):
+            self._calls = [(m, sync, 1, took, cold) for m, sync, _, took, cold in self._calls]
+            return super()._charge_calls(seconds, tokens)
+
+    prompt = torch.tensor([1, 2])
+    reference = decode(table_target(), prompt, None, SamplingConfig(0.0), torch.Generator(), 420, set(),
+                       1000).sequences[0].tolist()
+
+    def speed(drafter):
+        clock.now = 0.0
+        out = decode(timed_target(clock), prompt, drafter, SamplingConfig(0.0), torch.Generator(), 400,
+                     set(), 1000, None, clock=clock)
+        assert out.sequences[0].tolist() == reference[:402]
+        return out.stats.new_tokens / clock.now
+
+    def members():
+        return [Head(reference, 6, depth=1, sibling=False), Lookup(reference, 6, depth=6, sibling=False)]
+
+    ratios = {"union": [], "whole": []}
+    for seed in range(4):  # (the control escapes the trap on some seeds, never on all)
+        clock.gen.manual_seed(seed)
+        best = max(speed(members()[0]), speed(members()[1]))
+        ratios["union"].append(speed(UnionDrafter(members(), clock=clock)) / best)
+        ratios["whole"].append(speed(Whole(members(), clock=clock)) / best)
+    assert all(r >= 1.15 for r in ratios["union"]), ratios
+    assert not all(r >= 1.15 for r in ratios["whole"]), ratios  # the negative control fails the bound

@@ -173,3 +173,10 @@ class Drafter(ABC):
         """Called instead of :meth:`propose` when a caller (a union) does not need this drafter's
         tree this step: a drafter that must see every step (e.g. the taps in ``ctx.features``)
         catches up here; default does nothing."""
+
+    def sync(self, ctx: DraftContext) -> None:
+        """Bring this drafter's own state (a draft KV cache) up to the committed tokens of ``ctx``
+        and the steps it skipped, before :meth:`propose` of the same step (which then finds nothing
+        left to catch up). :meth:`propose` must work without it; a union calls it first and times
+        it apart, because after skipped steps it is a one-off cost of switching to this drafter,
+        not a cost of its drafting. Default does nothing."""

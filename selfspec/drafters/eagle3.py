@@ -113,6 +113,8 @@ class Eagle3Drafter(Drafter):
         ``tokens``: ``[P + 1]`` all tokens; ``features``: ``[m, 3H]`` taps of positions P-m..P-1.
         """
         committed = tokens.shape[0] - 1
+        if self.cached == committed and self.cached and not self._deferred:  # (synced this step)
+            return self._last
         if self._deferred:
             features = torch.cat(self._deferred + ([features] if features is not None else []))
             self._deferred = []
@@ -140,6 +142,11 @@ class Eagle3Drafter(Drafter):
         next catch-up, which runs all of them in one call (a skipped step costs nothing)."""
         if ctx.features is not None and ctx.features.shape[0]:
             self._deferred.append(ctx.features)
+
+    def sync(self, ctx: DraftContext) -> None:
+        """Run the committed pairs not run yet (those of skipped steps too), so that
+        :meth:`propose` of this step finds its cache current."""
+        self.catch_up(ctx.tokens, ctx.features)
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> DraftTree:

@@ -56,6 +56,14 @@ asked in a step are told to ``skip`` it (so feature-reading drafters stay in syn
 drafts depends only on committed tokens and measured past steps, never on the current draws, so
 every step stays exact.
 
+A member that skipped steps first catches up on them (:meth:`~selfspec.drafters.base.Drafter.sync`:
+an EAGLE-3 head runs its layer over every position it skipped), which is timed apart from its
+drafting: it is charged per position synced, for as many positions as the step emitted, which is
+what the member syncs in a step of its own. Charged whole, a probe after a long stretch of other
+arms' steps paid for that whole stretch (a head that paid alone, 1.2x over plain steps, was
+measured slower than plain steps inside the union), so the longer a member was left out, the worse
+it looked, and the less it was probed.
+
 A member's first call in the process counts at most as much as the rest of its step (the verify
 pass and the other members' drafting), in the step's time and as the member's drafting time. A
 first call pays one-off costs (kernel selection, weight packing: about half a second for an
@@ -143,7 +151,9 @@ class UnionDrafter(Drafter):
         self.probe_margin, self.max_probe_wait, self.select_margin = 0.1, 16 * probe_every, 0.05
         self.draft_seconds: list[list[float] | None] = [None] * len(members)  # decayed [seconds, calls]
         self.warm = [False] * len(members)  # has the member drafted before (in this process)?
-        self._cold: list[tuple[int, float]] = []  # (member, seconds) of first calls in the pending step
+        self._seen: list[int | None] = [None] * len(members)  # committed length at its last call
+        # the pending step's member calls: (member, sync seconds, positions synced, propose seconds, first)
+        self._calls: list[tuple[int, float, int, float, bool]] = []
         self.probe_wait: dict[tuple, int] = {}  # (arm, its members' keys) -> steps between its probes
         self.last_probe: dict = {}  # (arm, keys) -> step of its last probe; None -> of the last probe
         self.steps = 0  # steps decided so far (over all generations)
@@ -176,6 +186,7 @@ class UnionDrafter(Drafter):
 
     def reset(self) -> None:
         self._pending = None  # a new generation: no step to time across the gap
+        self._calls, self._seen = [], [None] * len(self.members)
         for m in self.members:
             m.reset()
 
@@ -205,7 +216,7 @@ class UnionDrafter(Drafter):
             state, arm, start, length, tokens, probe, empty = self._pending
             now = self.clock()
             if ctx.tokens.shape[0] == length + tokens and now > start:  # nothing ran in between
-                seconds = self._discount_first_calls(now - start)
+                seconds = self._charge_calls(now - start, tokens)
                 self._record(arm, state, tokens, seconds)
                 if empty and arm != 0:  # an empty draft is a plain step: it measures the plain arm too
                     self._record(0, state, tokens, seconds)
@@ -251,17 +262,28 @@ class UnionDrafter(Drafter):
             if probe:
                 self.last_probe[keys[arm]] = self.last_probe[None] = self.steps
         self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe, False)
-        self._cold = []
+        self._calls = []
         self.arm_steps[arm] += 1
         return arm
 
-    def _discount_first_calls(self, seconds: float) -> float:
-        """A step's seconds with its members' first calls counted at most as much as the rest of
-        the step (each; that is also their first drafting time): see the module docstring."""
-        rest = seconds - sum(c for _, c in self._cold)
-        for m, c in self._cold:
-            self.draft_seconds[m] = [min(c, rest), 1.0]
-        return rest + sum(min(c, rest) for _, c in self._cold)
+    def _charge_calls(self, seconds: float, tokens: int) -> float:
+        """The seconds a step that emitted ``tokens`` is charged, and its members' drafting times
+        (see the module docstring): a member's ``sync`` over positions it skipped is charged per
+        position, for as many positions as the step emitted (what it syncs in a step of its own);
+        a member's first call counts at most as much as the rest of the step."""
+        rest = seconds - sum(sync + took for _, sync, _, took, cold in self._calls if cold)
+        charged = rest
+        for m, sync, positions, took, cold in self._calls:
+            if cold:  # one-off costs: at most the rest of the step
+                cost = min(sync + took, rest)
+                charged += cost
+                self.draft_seconds[m] = [cost, 1.0]
+            else:
+                cost = took + sync * min(1.0, tokens / max(1, positions))
+                charged -= sync + took - cost
+                old, d = self.draft_seconds[m] or [0.0, 0.0], self.rate_decay
+                self.draft_seconds[m] = [d * old[0] + cost, d * old[1] + 1.0]
+        return charged
 
     def _next_wait(self, guess: list[float | None], arm: int, wait: int) -> int:
         """Steps until ``arm`` is probed again under the keys it was estimated for: the longest wait
@@ -368,13 +390,13 @@ class UnionDrafter(Drafter):
             if m not in chosen:
                 continue
             t0 = self.clock()
+            member.sync(ctx)  # catching up on skipped steps: timed apart (a cost of switching)
+            t1 = self.clock()
             proposal = Proposal.of(member.propose(ctx))
-            if self.warm[m]:
-                old, d = self.draft_seconds[m] or [0.0, 0.0], self.rate_decay
-                self.draft_seconds[m] = [d * old[0] + self.clock() - t0, d * old[1] + 1.0]
-            else:  # a first call pays one-off costs (kernel selection, weight packing)
-                self.warm[m] = True
-                self._cold.append((m, self.clock() - t0))
+            seen, self._seen[m] = self._seen[m], ctx.tokens.shape[0]
+            positions = ctx.tokens.shape[0] - (seen or 0)
+            self._calls.append((m, t1 - t0, positions, self.clock() - t1, not self.warm[m]))
+            self.warm[m] = True
             if proposal.handoff is not None:  # (never: a union gets no target cache to write in)
                 raise ValueError(f"{member.kind} handed off target layers, which a merged tree cannot use")
             tree = proposal.tree
