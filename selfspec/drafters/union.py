@@ -149,6 +149,7 @@ class UnionDrafter(Drafter):
         self.arm_steps = [0] * len(self.arms)  # how many steps each arm ran (diagnostics)
         self.probe_every, self.rate_decay, self.clock = probe_every, rate_decay, clock
         self.probe_margin, self.max_probe_wait, self.select_margin = 0.1, 16 * probe_every, 0.05
+        self.min_samples = 3.0  # own steps (decayed count) before a losing probe lengthens the wait
         self.draft_seconds: list[list[float] | None] = [None] * len(members)  # decayed [seconds, calls]
         self.warm = [False] * len(members)  # has the member drafted before (in this process)?
         self._seen: list[int | None] = [None] * len(members)  # committed length at its last call
@@ -223,7 +224,8 @@ class UnionDrafter(Drafter):
                 if probe:  # a probed arm that still loses is probed less often (at once the least
                     guess = self.estimates(state)  # often when it is worse than half the best)
                     key = (arm, self.arm_key(arm, state))
-                    self.probe_wait[key] = self._next_wait(guess, arm, self.probe_wait.get(key, self.probe_every))
+                    self.probe_wait[key] = self._next_wait(guess, arm, self.probe_wait.get(key, self.probe_every),
+                                                           (self.second_sums.get(key) or [0.0, 0.0])[1])
         start = self.clock()  # the state's own cost counts towards the step it decides
         state = self._state = tuple(m.context_key(ctx) for m in self.members)
         keys = [(a, self.arm_key(a, state)) for a in range(len(self.arms))]
@@ -285,15 +287,17 @@ class UnionDrafter(Drafter):
                 self.draft_seconds[m] = [d * old[0] + cost, d * old[1] + 1.0]
         return charged
 
-    def _next_wait(self, guess: list[float | None], arm: int, wait: int) -> int:
+    def _next_wait(self, guess: list[float | None], arm: int, wait: int, samples: float = float("inf")) -> int:
         """Steps until ``arm`` is probed again under the keys it was estimated for: the longest wait
         when its estimate is under half the best other arm's, twice ``wait`` when it is more than
-        ``probe_margin`` below it, else ``probe_every``."""
+        ``probe_margin`` below it (once ``min_samples`` of its own steps are measured: a drafter's
+        accepted length varies from 1 to 5 step to step, and one unlucky step must not halve its
+        probes), else ``probe_every``."""
         best = max((r or 0.0) for a, r in enumerate(guess) if a != arm)
         rate = guess[arm] or 0.0
         if rate < 0.5 * best:
             return self.max_probe_wait
-        if rate < (1 - self.probe_margin) * best:
+        if rate < (1 - self.probe_margin) * best and samples >= self.min_samples:
             return min(self.max_probe_wait, 2 * wait)
         return self.probe_every
 
