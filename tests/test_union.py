@@ -348,6 +348,13 @@ def test_a_members_slow_first_call_does_not_price_its_arms():
     head = speed(members()[0])
     union, timed = speed(UnionDrafter(members(), clock=clock)), speed(Timed(members(), clock=clock))
     assert head > 2.0 and union >= 0.9 * head, (head, union, timed)
+    # a first call whose step is never timed (a one-step warm-up generation) leaves the next call
+    # counted as a first call, and the member's drafting time is known after it
+    warmed = UnionDrafter(members(), clock=clock)
+    decode(timed_target(clock), prompt, warmed, SamplingConfig(0.0), torch.Generator(), 2, set(), 1000, None, clock=clock)
+    assert warmed.members[0].calls == 1 and warmed.warm == [False, False] and warmed.draft_seconds == [None, None]
+    decode(timed_target(clock), prompt, warmed, SamplingConfig(0.0), torch.Generator(), 40, set(), 1000, None, clock=clock)
+    assert warmed.warm[0] and warmed.draft_seconds[0][0] / warmed.draft_seconds[0][1] < 1.0
     assert timed < 0.6 * head, (head, union, timed)  # the negative control fails the bound
 
 

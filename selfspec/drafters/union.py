@@ -151,7 +151,7 @@ class UnionDrafter(Drafter):
         self.probe_margin, self.max_probe_wait, self.select_margin = 0.1, 16 * probe_every, 0.05
         self.min_samples = 3.0  # own steps (decayed count) before a losing probe lengthens the wait
         self.draft_seconds: list[list[float] | None] = [None] * len(members)  # decayed [seconds, calls]
-        self.warm = [False] * len(members)  # has the member drafted before (in this process)?
+        self.warm = [False] * len(members)  # has a step with the member's call been timed?
         self._seen: list[int | None] = [None] * len(members)  # committed length at its last call
         # the pending step's member calls: (member, sync seconds, positions synced, propose seconds, first)
         self._calls: list[tuple[int, float, int, float, bool]] = []
@@ -276,10 +276,10 @@ class UnionDrafter(Drafter):
         rest = seconds - sum(sync + took for _, sync, _, took, cold in self._calls if cold)
         charged = rest
         for m, sync, positions, took, cold in self._calls:
-            if cold:  # one-off costs: at most the rest of the step
-                cost = min(sync + took, rest)
-                charged += cost
-                self.draft_seconds[m] = [cost, 1.0]
+            if cold:  # one-off costs: at most the rest of the step (a first call whose step is
+                cost = min(sync + took, rest)  # never timed, e.g. the last of a generation, leaves
+                charged += cost  # the member's next call counted as a first call)
+                self.draft_seconds[m], self.warm[m] = [cost, 1.0], True
             else:
                 cost = took + sync * min(1.0, tokens / max(1, positions))
                 charged -= sync + took - cost
@@ -400,7 +400,6 @@ class UnionDrafter(Drafter):
             seen, self._seen[m] = self._seen[m], ctx.tokens.shape[0]
             positions = ctx.tokens.shape[0] - (seen or 0)
             self._calls.append((m, t1 - t0, positions, self.clock() - t1, not self.warm[m]))
-            self.warm[m] = True
             if proposal.handoff is not None:  # (never: a union gets no target cache to write in)
                 raise ValueError(f"{member.kind} handed off target layers, which a merged tree cannot use")
             tree = proposal.tree
