@@ -5,8 +5,9 @@
 
 Each head is loaded as that config's ``init_from`` (``load_drafter`` refuses a foreign target) and
 evaluated by the recipe's own ``evaluate`` (teacher-forced top-1 agreement with the target and T=1
-acceptance per unrolled step) on the config's held-out split, which no head trained on when the
-split's data is newer than the head. Writes ``<out>.json`` and ``<out>.md``.
+acceptance per unrolled step) on the config's held-out answers: its ``eval_dataset`` (a prompt
+window no head trained on) or else its split of ``dataset`` (held out from a head only when that
+data is newer than the head). Writes ``<out>.json`` and ``<out>.md``.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ def main(argv=None) -> None:
         print(path, json.dumps(rows[path]["top1"]), f"{rows[path]['expected_mat_chain']:.3f}", flush=True)
     command = "python scripts/eval_heads.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     atomic_write_text(args.out + ".json", json.dumps(dict(command=command, config=args.config,
-                                                          dataset=base.dataset, heads=rows), indent=1))
+                                                          dataset=base.dataset, eval_dataset=base.eval_dataset, heads=rows), indent=1))
     k = len(next(iter(rows.values()))["top1"])
-    lines = [f"`{command}`", "", f"Held-out split of `{base.dataset}` ({next(iter(rows.values()))['eval_examples']} "
+    held = (f"Held-out answers of `{base.eval_dataset}` (a prompt window no head trained on; "
+            if base.eval_dataset else f"Held-out split of `{base.dataset}` (")
+    lines = [f"`{command}`", "", f"{held}{next(iter(rows.values()))['eval_examples']} "
              "answers), teacher-forced, per unrolled step j (drafting depth j + 1):", "",
              "| head | " + " | ".join(f"top-1 step {j}" for j in range(k)) + " | "
              + " | ".join(f"T=1 accept step {j}" for j in range(k)) + " | expected MAT (greedy chain) | vocabulary coverage |",
