@@ -206,8 +206,11 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
                     else:
                         alone.append((f"{title} [{dtype} target]" if dtype else title, row["speedup"]))
         if alone:
-            verdict = ("pays on this machine" if min(v for _, v in alone) >= 1.0 else
-                       "does not pay on this machine yet (alone, below plain decoding where marked < 1.00x)")
+            low = min(v for _, v in alone)
+            verdict = ("pays on this machine" if low >= 1.0 else
+                       "does not pay on this machine yet (alone, below plain decoding where marked < 1.00x)"
+                       if max(v for _, v in alone) < 1.0 else
+                       "pays on this machine on some workloads, not on all (alone, below plain decoding where < 1.00x)")
             lines[4:4] = ["**Status**: this drafter " + verdict + ": " + "; ".join(
                 f"{t} {v:.2f}x" for t, v in alone) + " (tables below).", ""]
         lines += ["## Benchmarks", ""] + [results_section(Path(p)) for p in results]
