@@ -121,6 +121,16 @@ def timed_target(clock, vocab: int = 6, per_node: float = 0.15):
     return Timed(vocab, 0)
 
 
+def _plain_race_speed(clock, drafter, reference: list[int], new: int) -> float:
+    """Tokens per virtual second of ``drafter`` drafting every step (no adaptive policy) for ``new``
+    tokens after the prompt ``[1, 2]`` on :func:`timed_target`; the output must be ``reference``'s."""
+    clock.now = 0.0
+    out = decode(timed_target(clock), torch.tensor([1, 2]), drafter, SamplingConfig(0.0), torch.Generator(), new,
+                 set(), 1000, None, clock=clock)
+    assert out.sequences[0].tolist() == reference[:2 + new]
+    return out.stats.new_tokens / clock.now
+
+
 def _race(members_and_union, reference, clock):
     """Tokens per virtual second of each drafter on the same prompt (adaptive policy on): a target
     pass costs 1 s plus 0.15 s per drafted node (a CPU's small-batch GEMMs); drafters add their own."""
@@ -335,11 +345,7 @@ def test_a_members_slow_first_call_does_not_price_its_arms():
                        1000).sequences[0].tolist()
 
     def speed(drafter):
-        clock.now = 0.0
-        out = decode(timed_target(clock), prompt, drafter, SamplingConfig(0.0), torch.Generator(), 200,
-                     set(), 1000, None, clock=clock)
-        assert out.sequences[0].tolist() == reference[:202]
-        return out.stats.new_tokens / clock.now
+        return _plain_race_speed(clock, drafter, reference, 200)
 
     def members():
         return [Head(reference, 6, depth=4, sibling=False),
@@ -405,11 +411,7 @@ def test_a_member_left_out_is_not_charged_for_catching_up_on_what_it_skipped():
                        1000).sequences[0].tolist()
 
     def speed(drafter):
-        clock.now = 0.0
-        out = decode(timed_target(clock), prompt, drafter, SamplingConfig(0.0), torch.Generator(), 400,
-                     set(), 1000, None, clock=clock)
-        assert out.sequences[0].tolist() == reference[:402]
-        return out.stats.new_tokens / clock.now
+        return _plain_race_speed(clock, drafter, reference, 400)
 
     def members():
         return [Head(reference, 6, depth=1, sibling=False), Lookup(reference, 6, depth=6, sibling=False)]
