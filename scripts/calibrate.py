@@ -48,17 +48,20 @@ def training_prompts(meta: dict) -> set[str]:
     own training data and of every run it was continued from (``lineage``), each read from the
     distillation folder's manifest or, where that folder is absent (``runs/`` of another
     session), from the distill config in configs/ that wrote it. Refuses a dataset it cannot trace."""
+    from training.batching import shard_selection  # noqa: I001
     from training.config import load_any
     from training.distill import DistillConfig, collect_prompts
 
     extra = meta.get("extra") or {}
     datasets = [(extra.get("training") or {}).get("dataset")] + [r.get("dataset") for r in extra.get("lineage") or []]
+    datasets = [d for entry in datasets for d in (entry if isinstance(entry, list) else [entry])]  # lists of windows
     configs = {}
     for path in sorted((Path(__file__).resolve().parents[1] / "configs").glob("distill*.yaml")):
         job = load_any(path)
         configs[os.path.normpath(job.out)] = job.distill
     texts: set[str] = set()
-    for dataset in filter(None, datasets):
+    for spec in filter(None, datasets):
+        dataset = str(shard_selection(spec)[0])  # a shard range: the whole window's prompts are kept out
         manifest = Path(dataset) / "manifest.json"
         if manifest.exists():
             cfg = DistillConfig(**json.loads(manifest.read_text(encoding="utf-8"))["config"])

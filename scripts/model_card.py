@@ -22,6 +22,11 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+
+def _datasets(spec) -> str:
+    """A training config's ``dataset`` (one folder spec or a list) as Markdown code spans."""
+    return " + ".join(f"`{d}`" for d in (spec if isinstance(spec, list) else [spec]))
+
 def _table(rows: list[list[str]]) -> str:
     head, *body = rows
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -152,7 +157,7 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
         o = training.get("optim", {})
         lines += ["## Training", "",
                   f"- command: `{command or 'python scripts/train_heads.py --config configs/<kind>_smollm2.yaml'}`",
-                  f"- data: `{training.get('dataset')}` (self-distilled: the target's own answers); benchmark "
+                  f"- data: {_datasets(training.get('dataset'))} (self-distilled: the target's own answers); benchmark "
                   "prompts held out (`tests/test_distill.py`)",
                   f"- optimizer steps: {extra.get('steps', '?')}; AdamW lr {o.get('lr', '?')}, {o.get('warmup_steps', '?')} "
                   f"warm-up steps, cosine to 10%, {o.get('epochs', '?')} epochs"
@@ -160,7 +165,7 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
                   + (f"; response tokens: {extra['train_response_tokens']}" if "train_response_tokens" in extra else "")]
         for run in extra.get("lineage") or []:  # init_from: the runs this head continued
             lines.append(f"- continued from `{run.get('checkpoint')}`, itself trained {run.get('steps', '?')} optimizer steps "
-                         f"on `{run.get('dataset')}` ({run.get('train_response_tokens', '?')} response tokens)")
+                         f"on {_datasets(run.get('dataset'))} ({run.get('train_response_tokens', '?')} response tokens)")
         lines.append("")
     elif "training_free" in extra:
         lines += ["## Training", "", "None: training-free (the exit layer chosen by `scripts/pick_exit_layer.py` "

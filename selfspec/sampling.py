@@ -78,6 +78,45 @@ def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return x.softmax(-1)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` ``[b, V]`` (``[b]`` on ``probs``' device), by inverting the
+    cumulative distribution at one uniform number per row.
+
+    The law is ``probs`` (rows need not be normalised) up to float64 rounding of the running sum:
+    the interval of token i is ``[c_{i-1}, c_i)`` with ``c`` the float64 cumulative sum, so a
+    zero-probability token has an empty interval and is never returned. ``torch.multinomial``
+    draws the same law but spends one random number per vocabulary entry, about 1.3 ms a row for
+    a 49k vocabulary on this CPU against a few tens of microseconds here.
+    """
+    rows = probs.reshape(-1, probs.shape[-1]).to(torch.float64)
+    cdf = rows.cumsum(-1)  # [b, V]
+    total = cdf[:, -1]
+    if not bool((torch.isfinite(total) & (total > 0)).all()) or bool((rows < 0).any()):
+        raise ValueError("cannot draw from a row whose probabilities are negative, not finite or all zero")
+    u = torch.rand(rows.shape[0], 1, dtype=torch.float64, generator=generator, device=generator.device)
+    x = u.to(cdf.device) * cdf[:, -1:]  # in [0, total): the first c_i > x has p_i > 0
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    over = idx >= rows.shape[-1]  # x rounded up to the total: the last token of positive mass
+    if bool(over.any()):
+        last = (rows > 0).to(torch.long) * torch.arange(rows.shape[-1], device=rows.device)
+        idx = torch.where(over, last.argmax(-1), idx)
+    return idx.reshape(probs.shape[:-1])
+
+
+def draw_without_replacement(probs: torch.Tensor, count: int, generator: torch.Generator) -> list[int]:
+    """``count`` distinct tokens from ``probs`` ``[V]``: each draw is :func:`draw` from the mass
+    not drawn yet, which is the law of sampling without replacement (``torch.multinomial`` with
+    ``replacement=False``). ``count`` must not exceed the number of tokens of positive mass."""
+    if count > int((probs > 0).sum()):
+        raise ValueError(f"cannot draw {count} distinct tokens from a law with {int((probs > 0).sum())} in its support")
+    left, out = probs.to(torch.float64).clone(), []
+    for _ in range(count):
+        t = int(draw(left[None], generator)[0])
+        out.append(t)
+        left[t] = 0.0
+    return out
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from ``probs`` ``[V]`` with an explicit generator."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Draw one token id from ``probs`` ``[V]`` with an explicit generator (:func:`draw`)."""
+    return int(draw(probs[None], generator)[0])

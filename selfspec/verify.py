@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingConfig, target_probs
+from .sampling import SamplingConfig, draw, target_probs
 from .tree import DraftTree, Law
 
 
@@ -159,8 +159,8 @@ def _child_laws(batch: TreeBatch, rows: torch.Tensor, parent: torch.Tensor, chil
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``[b]`` one token per row of ``probs`` ``[b, V]``."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """``[b]`` one token per row of ``probs`` ``[b, V]`` (:func:`selfspec.sampling.draw`)."""
+    return draw(probs, generator)
 
 
 def verify_batch(batch: TreeBatch, probs: torch.Tensor, generator: torch.Generator

@@ -139,6 +139,31 @@ def test_a_separate_window_is_held_out_without_any_prompt_trained_on():
         held_out_dataset(train, [ex((3,))], seed=0, max_eval=2)
 
 
+def test_a_shard_range_splits_one_window_into_held_out_and_training_answers(tmp_path):
+    """``folder[a:b]`` reads shards a..b-1 in file-name order: ``[:2]`` and ``[2:]`` partition the
+    window; a range past the finished shards, an empty one or a malformed one is refused."""
+    import json
+
+    from training.batching import load_distilled, shard_selection
+
+    folder = tmp_path / "win"
+    (folder / "shards").mkdir(parents=True)
+    for i in range(4):
+        rows = [{"prompt_ids": [i, j], "response_ids": [1]} for j in range(3)]
+        (folder / "shards" / f"shard-{i:05d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    whole = load_distilled(folder)
+    held, rest = load_distilled(f"{folder}[:2]"), load_distilled(f"{folder}[2:]")
+    assert held + rest == whole and len(held) == 6 and {r["prompt_ids"][0] for r in held} == {0, 1}
+    assert load_distilled(f"{folder}[1:3]") == whole[3:9]
+    assert shard_selection("a/b") == (Path("a/b"), None) and shard_selection("a/b[3:]") == (Path("a/b"), slice(3, None))
+    for bad, match in (("[2:9]", "has 4 finished"), ("[3:3]", "empty"), ("[x:]", "integers"), ("[1]", "integers"),
+                       ("[-1:]", "negative")):
+        with pytest.raises(ValueError, match=match):
+            load_distilled(f"{folder}{bad}")
+    with pytest.raises(FileNotFoundError):
+        load_distilled(f"{tmp_path / 'none'}[1:]")
+
+
 def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_on(tmp_path):
     """``scripts/calibrate.py``'s hold-out: the prompts of the head's dataset (its manifest) and of
     every dataset in its lineage; an absent ``runs/`` folder is traced to the distill config in
@@ -157,6 +182,8 @@ def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_o
     mine = {p["user"].strip() for p in collect_prompts(cfg)}
     meta = {"extra": {"training": {"dataset": str(folder)}, "lineage": [{"dataset": str(folder)}]}}
     assert calibrate.training_prompts(meta) == mine and mine
+    ranged = {"extra": {"training": {"dataset": f"{folder}[1:]"}}}  # a shard range: the whole window is kept out
+    assert calibrate.training_prompts(ranged) == mine
     lost = {"extra": {"training": {"dataset": str(folder)}, "lineage": [{"dataset": "runs/distill/nowhere"}]}}
     with pytest.raises(SystemExit, match="cannot be kept out"):
         calibrate.training_prompts(lost)

@@ -351,3 +351,63 @@ def test_decode_loop_negative_control_fails(monkeypatch):
     monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
     ok, msg = chi_square_ok(exact_law(cfg), draw(cfg, ScriptedDrafter(VOCAB, point=2, sampled=0)))
     assert not ok, f"the stale-bonus rule passed the exactness test ({msg}): the test is vacuous"
+
+
+# ---------------------------------------------------------------- the samplers themselves
+def _pair_law(p: torch.Tensor) -> dict[tuple[int, int], float]:
+    """Exact law of two draws without replacement from ``p``."""
+    p = p.double() / p.sum()
+    return {(a, b): float(p[a] * p[b] / (1 - p[a])) for a in range(len(p)) for b in range(len(p))
+            if a != b and p[a] > 0 and p[b] > 0}
+
+
+def test_inverse_cdf_draws_follow_the_law_and_never_a_zero_probability_token():
+    """``sampling.draw`` (rows of a batch, unnormalised rows, zeros inside and at both ends) and
+    ``draw_without_replacement`` (ordered pairs) against their exact laws at 1e-6; a sampler that
+    draws the second token from the full law (with replacement) fails the same check."""
+    from selfspec.sampling import draw as draw_rows, draw_without_replacement
+
+    p = torch.tensor([0.0, 0.3, 0.0, 0.05, 0.45, 0.2, 0.0])
+    rows = torch.stack([p, 2 * p.flip(0)])  # a second row, unnormalised
+    gen = torch.Generator().manual_seed(0)
+    n = 200_000
+    got = torch.cat([draw_rows(rows.expand(1000, 2, -1).reshape(-1, 7), gen).reshape(1000, 2) for _ in range(n // 1000)])
+    for r, law_row in enumerate((p, p.flip(0))):
+        counts = torch.bincount(got[:, r], minlength=7)
+        law = {(i,): float(law_row[i] / law_row.sum()) for i in range(7) if law_row[i] > 0}
+        ok, msg = chi_square_ok(law, {(i,): int(c) for i, c in enumerate(counts) if c}, n=n)
+        assert ok, msg
+    n_pairs = 60_000
+    pairs: dict[tuple[int, int], int] = {}
+    for _ in range(n_pairs):
+        key = tuple(draw_without_replacement(p, 2, gen))
+        pairs[key] = pairs.get(key, 0) + 1
+    ok, msg = chi_square_ok(_pair_law(p), pairs, n=n_pairs)
+    assert ok, msg
+    lossy: dict[tuple[int, int], int] = {}  # negative control: a collision moves on to the next
+    support = [i for i in range(7) if p[i] > 0]  # token of the support (distinct and in the support, biased)
+    for _ in range(n_pairs):
+        a = int(draw_rows(p[None], gen)[0])
+        b = int(draw_rows(p[None], gen)[0])
+        if b == a:
+            b = support[(support.index(a) + 1) % len(support)]
+        lossy[(a, b)] = lossy.get((a, b), 0) + 1
+    assert set(lossy) <= set(_pair_law(p))
+    assert not chi_square_ok(_pair_law(p), lossy, n=n_pairs)[0]
+    with pytest.raises(ValueError, match="distinct"):
+        draw_without_replacement(p, 5, gen)
+    for bad in (torch.zeros(1, 7), torch.tensor([[0.5, float("nan")]]), torch.tensor([[0.5, -0.1, 0.6]])):
+        with pytest.raises(ValueError, match="cannot draw"):
+            draw_rows(bad, gen)
+
+
+def test_inverse_cdf_edge_of_the_unit_interval_falls_on_a_positive_token(monkeypatch):
+    """A uniform number that rounds the target point up to the total still lands on the last
+    token of positive mass, never past it or on a trailing zero."""
+    from selfspec import sampling
+
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.ones(a[0], 1, dtype=torch.float64))
+    assert sampling.draw(torch.tensor([[0.2, 0.8, 0.0, 0.0]]), torch.Generator()).tolist() == [1]
+    monkeypatch.undo()
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.zeros(a[0], 1, dtype=torch.float64))
+    assert sampling.draw(torch.tensor([[0.0, 0.0, 0.3, 0.7]]), torch.Generator()).tolist() == [2]

@@ -351,6 +351,21 @@ def test_training_continues_from_a_trained_head(tmp_path):
     assert len(windowed.train_set) == len(recipe.examples) and windowed.eval_dropped >= 1
     trained = {tuple(ex["prompt_ids"]) for ex in recipe.examples}
     assert windowed.eval_set and not {tuple(ex["prompt_ids"]) for ex in windowed.eval_set} & trained
+    # a list of datasets with shard ranges: the first shard of one window held out, its rest and
+    # another window trained on together
+    mixed = tmp_path / "mixed" / "shards"
+    mixed.mkdir(parents=True)
+    (mixed / "00000.jsonl").write_text("".join(json.dumps(ex) + "\n" for ex in recipe.examples[:4]))
+    (mixed / "00001.jsonl").write_text("".join(json.dumps(ex) + "\n" for ex in recipe.examples[4:]))
+    ranged = replace(cfg, dataset=[f"{mixed.parent}[1:]", str(tmp_path / "window")], eval_dataset=f"{mixed.parent}[:1]")
+    ranged.run = replace(cfg.run, out_dir=str(tmp_path / "e"))
+    split = Eagle3Recipe(ranged, model=model)
+    split.setup()
+    assert split.examples == recipe.examples[4:] + later and split.train_set == [
+        ex for ex in split.examples if ex["response_ids"] and ex["prompt_ids"]]
+    held_prompts = {tuple(ex["prompt_ids"]) for ex in recipe.examples[:4]}
+    assert split.eval_set and {tuple(ex["prompt_ids"]) for ex in split.eval_set} <= held_prompts
+    assert not {tuple(ex["prompt_ids"]) for ex in split.eval_set} & {tuple(ex["prompt_ids"]) for ex in split.train_set}
     # negative controls: a foreign target, another head shape
     other = tiny_model("llama", layers=5, seed=7)
     with pytest.raises(CheckpointError, match="another target|fingerprint"):

@@ -9,11 +9,51 @@ from pathlib import Path
 import torch
 
 
-def load_distilled(path: str | Path) -> list[dict]:
+def shard_selection(spec: str | Path) -> tuple[Path, slice | None]:
+    """``"folder"`` or ``"folder[a:b]"`` -> ``(folder, slice)``: a distillation folder, optionally
+    restricted to a range of its shards in file-name order (``[6:]``: all but the first six;
+    ``[:6]``: the first six). Lets one window hold both a held-out set and training data."""
+    text = str(spec)
+    if not text.endswith("]") or "[" not in text:
+        return Path(text), None
+    folder, _, rng = text[:-1].rpartition("[")
+    parts = rng.split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        lo, hi = (int(p) if p.strip() else None for p in parts)
+    except ValueError:
+        raise ValueError(f"{text!r}: a shard range is written folder[a:b] with integers a, b (either may be left out)") from None
+    if (lo is not None and lo < 0) or (hi is not None and hi < 0):
+        raise ValueError(f"{text!r}: shard ranges count from the first shard (no negative bounds)")
+    return Path(folder), slice(lo, hi)
+
+
+def dataset_specs(spec) -> list[str]:
+    """A config's ``dataset``: one folder spec or a list of them -> the list (refuses an empty one)."""
+    specs = [str(s) for s in spec] if isinstance(spec, (list, tuple)) else [str(spec)]
+    if not specs or not all(specs):
+        raise ValueError(f"dataset must name at least one distillation folder, got {spec!r}")
+    return specs
+
+
+def load_distilled(path) -> list[dict]:
     """Examples ``{prompt_ids, response_ids, source, ...}`` of a distillation folder (its shards,
-    finished ones only, so a run still in progress can be read) or of a ``datasets`` folder."""
-    path = Path(path)
+    finished ones only, so a run still in progress can be read), of a shard range of one
+    (``folder[a:b]``, see :func:`shard_selection`) or of a ``datasets`` folder; a list of such
+    specs gives their examples concatenated in order."""
+    if isinstance(path, (list, tuple)):
+        return [ex for spec in dataset_specs(path) for ex in load_distilled(spec)]
+    path, chosen = shard_selection(path)
     shards = sorted((path / "shards").glob("*.jsonl")) if (path / "shards").is_dir() else []
+    if chosen is not None:
+        if not shards:
+            raise FileNotFoundError(f"{str(path)!r} has no finished shards to take the range [{chosen.start}:{chosen.stop}] of")
+        if chosen.stop is not None and chosen.stop > len(shards):
+            raise ValueError(f"shard range [{chosen.start}:{chosen.stop}] of {str(path)!r}, which has {len(shards)} finished shards")
+        total, shards = len(shards), shards[chosen]
+        if not shards:
+            raise ValueError(f"shard range [{chosen.start}:{chosen.stop}] of {str(path)!r} is empty ({total} finished shards)")
     if shards:
         return [json.loads(line) for s in shards for line in s.read_text(encoding="utf-8").splitlines() if line]
     if (path / "shards").is_dir():

@@ -70,22 +70,15 @@ def drafter_options(cfg) -> dict:
 
 
 def _dataset_tokens(cfg) -> int | None:
-    path = Path(cfg.dataset)
-    shards = sorted((path / "shards").glob("*.jsonl")) if (path / "shards").is_dir() else []
-    if shards:
-        total = 0
-        for shard in shards:
-            for line in shard.read_text(encoding="utf-8").splitlines():
-                if line:
-                    ex = json.loads(line)
-                    total += len(ex["prompt_ids"]) + len(ex["response_ids"])
-        return total
-    if path.is_dir() and (path / "dataset_info.json").exists():
-        from datasets import load_from_disk
+    """Prompt + response tokens of ``cfg.dataset`` (a shard range counts only its shards); None
+    while no data is there yet."""
+    from .batching import load_distilled
 
-        ds = load_from_disk(str(path))
-        return sum(len(p) + len(r) for p, r in zip(ds["prompt_ids"], ds["response_ids"]))
-    return None
+    try:
+        rows = load_distilled(cfg.dataset)
+    except FileNotFoundError:
+        return None
+    return sum(len(ex["prompt_ids"]) + len(ex["response_ids"]) for ex in rows)
 
 
 def estimate(cfg, processes: int = 1, tflops: float = 200.0, tokens: int | None = None) -> dict:

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..sampling import target_probs
+from ..sampling import draw_without_replacement, target_probs
 from ..tree import DraftTree, Law, TreeBuilder
 from .base import DraftContext, Drafter, TargetSignature
 from .dynamic_tree import pick_slots
@@ -235,8 +235,7 @@ class Eagle3Drafter(Drafter):
                 q = target_probs(full, ctx.sampling)
                 builder.set_draft_probs(level[j], q)
                 count = min(len(ranks), int((q > 0).sum()))
-                for t in torch.multinomial(q.to(ctx.generator.device), count, replacement=False,
-                                           generator=ctx.generator).tolist():  # the generator's device
+                for t in draw_without_replacement(q, count, ctx.generator):
                     d = int(self._t2d_index[t])
                     node = builder.add(level[j], t, Law.WOR)
                     par[node] = level[j]

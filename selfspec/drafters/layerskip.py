@@ -35,7 +35,7 @@ from ..attention_mask import MaskBuilder
 from ..kv_cache import cache_length, new_cache
 from ..layer_slice import LayerSlice, num_layers
 from ..lm_head import lm_logits
-from ..sampling import target_probs
+from ..sampling import draw_without_replacement, target_probs
 from ..target import LayerHandoff
 from ..tree import DraftTree, Law, TreeBuilder
 from .base import DraftContext, Drafter, Proposal, TargetSignature
@@ -198,8 +198,7 @@ class LayerSkipDrafter(Drafter):
                     q = target_probs(logits[j], ctx.sampling)
                     builder.set_draft_probs(parent, q)
                     count = min(len(ranks), int((q > 0).sum()))
-                    draws = torch.multinomial(q.to(ctx.generator.device), count, replacement=False,
-                                             generator=ctx.generator).tolist()
+                    draws = draw_without_replacement(q, count, ctx.generator)
                     kids = [(t, Law.WOR, float(q_score[j, t])) for t in draws]
                 else:
                     kids = [(int(top.indices[j, r]), Law.POINT, float(top.values[j, r])) for r in ranks]

@@ -47,8 +47,10 @@ class Eagle3TrainConfig:
         recipe: always ``train_heads``.
         kind: always ``eagle3``.
         target: target alias or path.
-        dataset: a distillation output folder (``shards/*.jsonl``, possibly partial) or a
-            ``datasets`` folder, as written by ``scripts/distill_data.py``.
+        dataset: a distillation output folder (``shards/*.jsonl``, possibly partial), a shard
+            range of one (``folder[6:]``, :func:`training.batching.shard_selection`) or a
+            ``datasets`` folder, as written by ``scripts/distill_data.py``; or a list of those,
+            trained on together (e.g. an earlier window again with a new one).
         eagle3: head shape and tree policy of the exported drafter.
         ttt_steps: K >= 1 unrolled steps of the training-time test.
         step_decay: loss weight of step j is ``step_decay ** j``.
@@ -58,7 +60,8 @@ class Eagle3TrainConfig:
             then trained on whole. A split drawn from a dataset that grows between runs moves, so
             a run continued (``init_from``) on grown data would be evaluated on answers it was
             trained on; a separate window of prompts (``skip``) is held out for every head alike.
-            Its answers whose prompt also occurs in ``dataset`` are dropped (and counted).
+            Its answers whose prompt also occurs in ``dataset`` are dropped (and counted). A shard
+            range (``folder[:6]``) holds out part of a window whose other shards train.
         max_len: longest example (tokens) used; longer ones are cut.
         tokens_per_batch: padded tokens per training batch (examples are bucketed by length).
         target_dtype: dtype of the frozen target's feature pass (``float32`` / ``bfloat16``).
@@ -78,7 +81,7 @@ class Eagle3TrainConfig:
     recipe: str = "train_heads"
     kind: str = "eagle3"
     target: str = selfspec.DEFAULT_TARGET
-    dataset: str = "runs/distill/smollm2-chat"
+    dataset: str | list[str] = "runs/distill/smollm2-chat"
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)
     ttt_steps: int = 3
     step_decay: float = 0.8
