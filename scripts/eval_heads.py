@@ -52,7 +52,8 @@ def main(argv=None) -> None:
                                                           dataset=base.dataset, eval_dataset=base.eval_dataset, heads=rows), indent=1))
     k = len(next(iter(rows.values()))["top1"])
     held = (f"Held-out answers of `{base.eval_dataset}` (a prompt window no head trained on; "
-            if base.eval_dataset else f"Held-out split of `{base.dataset}` (")
+            if base.eval_dataset else "Held-out split of " + " + ".join(
+                f"`{d}`" for d in (base.dataset if isinstance(base.dataset, list) else [base.dataset])) + " (")
     lines = [f"`{command}`", "", f"{held}{next(iter(rows.values()))['eval_examples']} "
              "answers), teacher-forced, per unrolled step j (drafting depth j + 1):", "",
              "| head | " + " | ".join(f"top-1 step {j}" for j in range(k)) + " | "

@@ -162,6 +162,14 @@ def test_a_shard_range_splits_one_window_into_held_out_and_training_answers(tmp_
             load_distilled(f"{folder}{bad}")
     with pytest.raises(FileNotFoundError):
         load_distilled(f"{tmp_path / 'none'}[1:]")
+    literal = tmp_path / "run[1:2]"  # a folder really named like a range is read as that folder
+    (literal / "shards").mkdir(parents=True)
+    (literal / "shards" / "00000.jsonl").write_text(json.dumps({"prompt_ids": [9], "response_ids": [1]}) + "\n")
+    assert load_distilled(literal) == [{"prompt_ids": [9], "response_ids": [1]}]
+    assert load_distilled([f"{folder}[3:]", str(literal)]) == whole[9:] + load_distilled(literal)
+    for empty in ([], [None], [str(folder), ""]):
+        with pytest.raises(ValueError, match="at least one"):
+            load_distilled(empty)
 
 
 def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_on(tmp_path):

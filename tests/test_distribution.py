@@ -411,3 +411,10 @@ def test_inverse_cdf_edge_of_the_unit_interval_falls_on_a_positive_token(monkeyp
     monkeypatch.undo()
     monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.zeros(a[0], 1, dtype=torch.float64))
     assert sampling.draw(torch.tensor([[0.0, 0.0, 0.3, 0.7]]), torch.Generator()).tolist() == [2]
+    # a running sum that moves by an ulp across a zero entry (a parallel scan): never that token
+    monkeypatch.undo()
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.full((a[0], 1), 0.5, dtype=torch.float64))
+    real_cumsum = torch.Tensor.cumsum
+    monkeypatch.setattr(torch.Tensor, "cumsum", lambda self, dim: real_cumsum(self, dim) + torch.tensor(
+        [0.0, 1e-12, 1e-12, 1e-12], dtype=self.dtype))
+    assert sampling.draw(torch.tensor([[0.5, 0.0, 0.5, 0.0]]), torch.Generator()).tolist() == [0]

@@ -14,7 +14,7 @@ def shard_selection(spec: str | Path) -> tuple[Path, slice | None]:
     restricted to a range of its shards in file-name order (``[6:]``: all but the first six;
     ``[:6]``: the first six). Lets one window hold both a held-out set and training data."""
     text = str(spec)
-    if not text.endswith("]") or "[" not in text:
+    if not text.endswith("]") or "[" not in text or Path(text).exists():  # (a folder named like that)
         return Path(text), None
     folder, _, rng = text[:-1].rpartition("[")
     parts = rng.split(":")
@@ -31,8 +31,9 @@ def shard_selection(spec: str | Path) -> tuple[Path, slice | None]:
 
 def dataset_specs(spec) -> list[str]:
     """A config's ``dataset``: one folder spec or a list of them -> the list (refuses an empty one)."""
-    specs = [str(s) for s in spec] if isinstance(spec, (list, tuple)) else [str(spec)]
-    if not specs or not all(specs):
+    raw = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    specs = [str(s) for s in raw if s is not None and str(s).strip()]
+    if not raw or len(specs) != len(raw):
         raise ValueError(f"dataset must name at least one distillation folder, got {spec!r}")
     return specs
 

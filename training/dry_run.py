@@ -76,7 +76,7 @@ def _dataset_tokens(cfg) -> int | None:
 
     try:
         rows = load_distilled(cfg.dataset)
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError):  # not there yet, or a shard range past the shards written so far
         return None
     return sum(len(ex["prompt_ids"]) + len(ex["response_ids"]) for ex in rows)
 
