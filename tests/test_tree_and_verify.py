@@ -119,7 +119,7 @@ def _forced_rejection(monkeypatch, tree, probs):
 
     drawn = []
     real_draw = verify_mod._draw
-    monkeypatch.setattr(torch, "rand", lambda n, **kw: torch.full((n,), 1.0 - 2.0 ** -53, dtype=torch.float64))
+    monkeypatch.setattr(torch, "rand", lambda *size, **kw: torch.full(size, 1.0 - 2.0 ** -53, dtype=torch.float64))
     monkeypatch.setattr(verify_mod, "_draw", lambda p, g: (drawn.append(p.clone()), real_draw(p, g))[1])
     verdict = verify_mod._verify_sampled(tree, probs, torch.Generator().manual_seed(0))
     monkeypatch.undo()
