@@ -142,7 +142,7 @@ def main(argv=None) -> None:
             print(f"  {g}: {speedups[i]:.3f}x")
         drafter = drafter.with_options(**grid[chosen])
         record |= {"grid": grid, "measured_speedup": [speedups[i] for i in range(len(grid))], "chosen": grid[chosen]}
-        print(f"chosen {grid[chosen]}" + ("" if best or chosen else " (nothing beat plain decoding here)"))
+        print(f"chosen {grid[chosen]}" + ("" if speedups[chosen] > 1.0 else " (nothing beat plain decoding here)"))
     else:
         raise SystemExit(f"no calibration for drafters of kind {drafter.kind!r}")
     if args.dry_run:
