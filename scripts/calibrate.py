@@ -9,7 +9,8 @@ calibration prompts (GSM8K train + HumanEval from ../shared/data, never the benc
   maximises expected tokens/s = MAT / (verify(n) + draft) is chosen (``selfspec.measurement.calibration``);
 * layer-skip: the node budget (``max_nodes``) with the best measured speedup over plain decoding;
 * EAGLE-3: depth, frontier width and node budget (chains and trees) with the best measured speedup,
-  on held-out chat prompts (never the head's training prompts nor a benchmark set).
+  on held-out chat prompts (never the head's training prompts nor a benchmark set), with the head
+  running in the weights ``--head-weights`` says (int8 where its kernel runs here; stored too).
 
 The choice and the measurements are written into the checkpoint (``drafter.json``) per target
 dtype (``--dtype``; bf16 and fp32 verify costs differ), so ``selfspec.load_drafter`` uses the tree
@@ -40,7 +41,7 @@ from selfspec.measurement.machine import cpu_label  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 #: options a calibration may change (tree shape, never the weights' shape)
-TREE_OPTIONS = ("tree", "max_nodes", "max_depth", "width", "branch")
+TREE_OPTIONS = ("tree", "max_nodes", "max_depth", "width", "branch", "head_weights")
 
 
 def training_prompts(meta: dict) -> set[str]:
@@ -84,6 +85,9 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--max-nodes", type=int, default=16, help="largest tree measured (root excluded)")
     ap.add_argument("--width", type=int, default=None, help="layer-skip: widest level searched (default: the checkpoint's)")
+    ap.add_argument("--head-weights", default="auto", choices=("auto", "native", "int8"),
+                    help="eagle3: weights the draft head runs with in every grid entry (auto: int8 where the "
+                         "int8 kernel runs here, else native; see selfspec/int8_linear.py)")
     ap.add_argument("--dry-run", action="store_true", help="print the choice, leave the checkpoint as it is")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -132,9 +136,12 @@ def main(argv=None) -> None:
         record |= {"measured_speedup": speedups, "max_nodes": chosen, "width": drafter.cfg.width}
         print(f"chosen max_nodes: {chosen}" + ("" if best else " (nothing beat plain decoding here)"))
     elif drafter.kind == "eagle3":
+        weights = args.head_weights
+        if weights == "auto":
+            weights = "int8" if drafter.with_options(head_weights="int8").run_head.lm_head.kernel else "native"
         grid = [dict(max_depth=d, width=1, branch=1, max_nodes=d) for d in (3, 4, 5)]
         grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in ((4, 2, 6), (5, 3, 8), (6, 4, 12))]
-        grid = [g for g in grid if g["max_nodes"] <= args.max_nodes]
+        grid = [g | {"head_weights": weights} for g in grid if g["max_nodes"] <= args.max_nodes]
         best, speedups = measured_search(model, lambda i: drafter.with_options(**grid[i]), prompts[:4],
                                          list(range(len(grid))))
         chosen = max(speedups, key=speedups.get)

@@ -152,10 +152,11 @@ def trained_llama(tmp_path_factory):
     return model, drafter
 
 
-@pytest.mark.parametrize("mode", ["tree", "chain", "tree_min_score"])
+@pytest.mark.parametrize("mode", ["tree", "chain", "tree_min_score", "tree_int8"])
 def test_greedy_identity_with_a_trained_head(trained_llama, mode):
     model, drafter = trained_llama
-    opts = {"tree": {}, "chain": dict(width=1, branch=1), "tree_min_score": dict(min_score=0.05)}[mode]
+    opts = {"tree": {}, "chain": dict(width=1, branch=1), "tree_min_score": dict(min_score=0.05),
+            "tree_int8": dict(head_weights="int8")}[mode]
     d = drafter.with_options(**opts)
     reference = model.generate(PROMPT, max_new_tokens=40, do_sample=False, pad_token_id=0)
     out = selfspec.generate(model, PROMPT, drafter=d, max_new_tokens=40, adaptive=False)
@@ -210,24 +211,52 @@ def _counts(model, cfg, drafter):
     return counts
 
 
-def _sampling_drafter(model):
+def _sampling_drafter(model, head_weights="native"):
     """Draft vocabulary of 5 of the 6 tokens: one token always has q = 0."""
-    d = build_drafter(model, "eagle3", draft_vocab_size=5, width=3, branch=2, max_depth=2, max_nodes=6)
+    d = build_drafter(model, "eagle3", draft_vocab_size=5, width=3, branch=2, max_depth=2, max_nodes=6,
+                      head_weights=head_weights)
     return _randomise(d, seed=2, scale=0.5)
 
 
-def test_sampled_children_keep_the_target_law():
+@pytest.mark.parametrize("head_weights", ["native", "int8"])
+def test_sampled_children_keep_the_target_law(head_weights):
+    """int8: the children are drawn from (and recorded with) the law the int8 head computes."""
     model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
-    ok, msg = chi_square_ok(_exact_law(model, cfg), _counts(model, cfg, _sampling_drafter(model)), n=SAMPLES)
+    drafter = _sampling_drafter(model, head_weights)
+    ok, msg = chi_square_ok(_exact_law(model, cfg), _counts(model, cfg, drafter), n=SAMPLES)
     assert ok, msg
 
 
 def test_negative_control_fails_in_the_same_harness(monkeypatch):
-    """A stale bonus token (drawn from the parent's law) must fail the same test."""
+    """A stale bonus token (drawn from the parent's law) must fail the same test (with either
+    head weights: the int8 head only changes the draft law q)."""
     monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
     model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
-    ok, msg = chi_square_ok(_exact_law(model, cfg), _counts(model, cfg, _sampling_drafter(model)), n=SAMPLES)
+    drafter = _sampling_drafter(model, "int8")
+    ok, msg = chi_square_ok(_exact_law(model, cfg), _counts(model, cfg, drafter), n=SAMPLES)
     assert not ok, f"the lossy rule passed ({msg}): the harness is vacuous"
+
+
+def test_int8_head_is_a_copy_rebuilt_when_the_head_changes():
+    """Drafting with int8 weights never changes the head (training, export and checkpoints read
+    it) and never drafts from a stale copy."""
+    from selfspec.int8_linear import Int8Linear
+
+    model = tiny_model("llama", layers=5)
+    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32, head_weights="int8"))
+    first = drafter.run_head
+    assert first is not drafter.head and isinstance(first.lm_head, Int8Linear)
+    assert type(drafter.head.lm_head) is torch.nn.Linear and drafter.run_head is first
+    x = torch.randn(2, 32, dtype=torch.float64)
+    with torch.no_grad():
+        scale = float(drafter.head.logits(x).abs().max())
+        assert (first.logits(x) - drafter.head.logits(x)).abs().max() < 0.05 * scale
+        _randomise(drafter, seed=5)  # an in-place update (as an optimizer step makes)
+        second = drafter.run_head
+        assert second is not first
+        scale = float(drafter.head.logits(x).abs().max())
+        assert (second.logits(x) - drafter.head.logits(x)).abs().max() < 0.05 * scale
+    assert drafter.with_options(head_weights="native").run_head is drafter.head
 
 
 # ---------------------------------------------------------------- checkpoints, training, options
@@ -266,6 +295,8 @@ def test_bad_options_are_refused():
         build_drafter(model, "eagle3", taps=[1, 2, 99])
     with pytest.raises(ValueError, match="cannot change"):
         build_drafter(model, "eagle3", draft_vocab_size=16).with_options(draft_vocab_size=8)
+    with pytest.raises(ValueError, match="head_weights"):
+        build_drafter(model, "eagle3", head_weights="int4")
 
 
 def test_batched_loss_is_the_mean_of_per_example_losses(tmp_path):

@@ -23,15 +23,20 @@ recorded as ``Law.WOR`` with q, so the number of draws never depends on the draw
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
 
 import torch
 
+from ..int8_linear import quantize_linears
 from ..sampling import draw_without_replacement, target_probs
 from ..tree import DraftTree, Law, TreeBuilder
 from .base import DraftContext, Drafter, TargetSignature
 from .dynamic_tree import pick_slots
 from .eagle3_head import Eagle3Head, default_taps, draft_layer_config
+
+
+HEAD_WEIGHTS = ("native", "int8")
 
 
 @dataclass
@@ -49,6 +54,9 @@ class Eagle3Config:
         branch: candidate tokens per frontier node.
         min_score: candidates whose path draft probability is below this are dropped.
         sampled: at temperature > 0, draw children from q (else point-mass top tokens).
+        head_weights: ``"native"`` drafts with the head's weights as they are; ``"int8"`` with an
+            int8 weight-only copy of its linear layers (:mod:`selfspec.int8_linear`: half the
+            bytes a draft call reads; drafts only, the output law stays the target's).
     """
 
     taps: list[int] | None = None
@@ -60,6 +68,7 @@ class Eagle3Config:
     branch: int = 4
     min_score: float = 0.0
     sampled: bool = True
+    head_weights: str = "native"
 
     def __post_init__(self) -> None:
         for name in ("draft_vocab_size", "max_depth", "max_nodes", "width", "branch"):
@@ -67,6 +76,8 @@ class Eagle3Config:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.min_score < 1.0:
             raise ValueError(f"min_score must be in [0, 1), got {self.min_score}")
+        if self.head_weights not in HEAD_WEIGHTS:
+            raise ValueError(f"head_weights must be one of {HEAD_WEIGHTS}, got {self.head_weights!r}")
         if self.taps is not None and len(self.taps) != 3:
             raise ValueError(f"EAGLE-3 fuses exactly 3 taps, got {self.taps}")
 
@@ -82,7 +93,21 @@ class Eagle3Drafter(Drafter):
         self.embed = model.get_input_embeddings()
         self.taps = tuple(cfg.taps)
         self._draft_ids = head.draft_ids if head.draft_ids.is_meta else head.draft_ids.to("cpu")
+        self._runtime, self._runtime_key = None, None
         self.reset()
+
+    @property
+    def run_head(self) -> Eagle3Head:
+        """The head drafting runs: :attr:`head` itself, or (``head_weights="int8"``) an int8 copy
+        of it, rebuilt whenever the head's parameters change (never stale)."""
+        if self.cfg.head_weights == "native":
+            return self.head
+        key = tuple((p.data_ptr(), p._version) for p in self.head.parameters())
+        if self._runtime is None or key != self._runtime_key:
+            runtime = copy.deepcopy(self.head)
+            quantize_linears(runtime)
+            self._runtime, self._runtime_key = runtime.eval(), key
+        return self._runtime
 
     def reset(self) -> None:
         self.k = self.v = None  # [kv_heads, P, d]: keys / values of the committed pairs
@@ -126,11 +151,12 @@ class Eagle3Drafter(Drafter):
             return self._last
         dev, dtype = self._device_dtype()
         lo = self.cached
-        feats = self.head.fuse(features.to(dev, dtype))
+        head = self.run_head
+        feats = head.fuse(features.to(dev, dtype))
         embeds = self.embed(tokens[lo + 1: committed + 1].to(dev)).to(dtype)
         visible = torch.ones(m, lo + m, dtype=torch.bool)
         visible[:, lo:] = torch.ones(m, m, dtype=torch.bool).tril()
-        out, k, v = self.head.step(embeds, feats, torch.arange(lo, committed, device=dev), self.k, self.v, visible)
+        out, k, v = head.step(embeds, feats, torch.arange(lo, committed, device=dev), self.k, self.v, visible)
         self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
         self.cached = committed
@@ -172,21 +198,21 @@ class Eagle3Drafter(Drafter):
             visible[i, [self.cached + s for s in slots]] = True
             visible[i, base + i] = True
         pos = torch.full((f,), self.cached - 1 + depth, device=dev)
-        out, k, v = self.head.step(self.embed(ids.to(dev)).to(dtype), feats, pos, self.k, self.v, visible)
+        out, k, v = self.run_head.step(self.embed(ids.to(dev)).to(dtype), feats, pos, self.k, self.v, visible)
         self.k, self.v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
         return out
 
     def _greedy_tree(self, ctx: DraftContext, root_out: torch.Tensor) -> DraftTree:
         """EAGLE-2 with point-mass children: expand the best ``width`` candidates per level, keep
         the ``max_nodes`` best candidates overall by cumulative draft log-probability."""
-        cfg = self.cfg
+        cfg, head = self.cfg, self.run_head
         cap = min(cfg.max_depth, ctx.max_depth)
         min_lp = float(torch.tensor(cfg.min_score).log()) if cfg.min_score > 0 else -float("inf")
         parent, token, score = [-1], [-1], [0.0]  # candidates; 0 is the root; token = draft id
         anc = {0: []}  # forwarded candidate -> cache slots of its forwarded ancestors and itself
         frontier, outs = [0], root_out
         for depth in range(1, cap + 1):
-            logp = self.head.logits(outs).float().log_softmax(-1)  # [f, V_d]
+            logp = head.logits(outs).float().log_softmax(-1)  # [f, V_d]
             top = logp.topk(min(cfg.branch, logp.shape[-1]), dim=-1)
             cand = torch.tensor([score[c] for c in frontier])[:, None] + top.values.cpu()  # [f, b]
             first, row_of = len(parent), {}
@@ -215,13 +241,13 @@ class Eagle3Drafter(Drafter):
 
     def _sampled_tree(self, ctx: DraftContext, root_out: torch.Tensor) -> DraftTree:
         """Children drawn without replacement from q; the shape is fixed from q before any draw."""
-        cfg = self.cfg
+        cfg, head = self.cfg, self.run_head
         cap = min(cfg.max_depth, ctx.max_depth)
         vocab = self.signature.vocab_size
         builder = TreeBuilder(ctx.root_token)
         level, scores, anc, par, outs = [0], {0: 1.0}, {0: []}, {}, root_out
         for depth in range(1, cap + 1):
-            logits = self.head.logits(outs).float()  # [f, V_d]
+            logits = head.logits(outs).float()  # [f, V_d]
             conf = logits.softmax(-1)
             top = conf.topk(min(cfg.branch, conf.shape[-1]), dim=-1)
             room = min(cfg.width, cfg.max_nodes + 1 - len(builder))
