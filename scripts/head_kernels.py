@@ -1,14 +1,18 @@
-"""What a draft step costs with a drafter head's linear layers as loaded, prepacked, or in float32,
-on a bf16 prepacked target, side by side in one process.
+"""What a draft step costs with a drafter head's linear layers as loaded, prepacked, in float32 or
+int8 weight-only, on a bf16 prepacked target, side by side in one process.
 
-    python scripts/head_kernels.py checkpoints/smollm2-135m-instruct-eagle3 --out docs/results/r9_head_kernels
+    python scripts/head_kernels.py checkpoints/smollm2-135m-instruct-eagle3 --out docs/results/r15_head_kernels
 
 Loads the target once (bfloat16, prepacked weights, :mod:`selfspec.prepack`) and the checkpoint
-three times: head linears as loaded (bf16 ``nn.Linear``), prepacked bf16
-(``selfspec.prepack.prepack_linears``), and the head cast to float32. Each drafts every
-step (``adaptive=False``) on held-out chat prompts, interleaved per round so load drifts hit all
-three alike; the median draft seconds per speculative step (``SpecStats.draft_time_s``, catch-up
-included) is kept. Writes <out>.json (command, provenance, seconds) and <out>.md.
+four times: head linears as loaded (bf16 ``nn.Linear``), prepacked bf16
+(``selfspec.prepack.prepack_linears``), the head cast to float32, and ``head_weights="int8"``
+(:mod:`selfspec.int8_linear`); the tree is the checkpoint's for bf16 in all four. Each drafts
+every step (``adaptive=False``) on held-out chat prompts (never the head's training prompts nor a
+benchmark prompt), interleaved with plain decoding per prompt and round so load drifts hit all
+alike. Reported per setup: the median draft seconds per speculative step
+(``SpecStats.draft_time_s``, catch-up included), the mean accepted length, and the speedup over
+the plain runs of the same prompts (total time ratio). Writes <out>.json (command, provenance,
+seconds) and <out>.md.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
 import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
+from selfspec.checkpoint import read_checkpoint  # noqa: E402
 from selfspec.drafters import load_drafter  # noqa: E402
 from selfspec.measurement import benchmark  # noqa: E402
 from selfspec.measurement.measure import write_result  # noqa: E402
@@ -46,26 +52,49 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     prov = benchmark.provenance()
     model, tok = selfspec.load_target(args.target, dtype="bfloat16", prepack=True)
-    setups = {name: load_drafter(args.checkpoint, model) for name in ("bf16 unpacked", "bf16 prepacked", "float32")}
+    from calibrate import training_prompts
+
+    names = ("bf16 unpacked", "bf16 prepacked", "float32", "int8")
+    setups = {name: load_drafter(args.checkpoint, model).with_options(head_weights="native") for name in names}
     prepack_linears(setups["bf16 prepacked"].head)
     setups["float32"].head.float()
-    prompts = [encode_chat(tok, t) for t in heldout_chat_prompts(SHARED, args.prompts)]
+    setups["int8"] = setups["int8"].with_options(head_weights="int8")
+    meta, _ = read_checkpoint(args.checkpoint)
+    texts = heldout_chat_prompts(SHARED, args.prompts, training_prompts(meta))
+    prompts = [encode_chat(tok, t) for t in texts]
     per_step = {name: [] for name in setups}
+    seconds = {name: 0.0 for name in ("plain", *setups)}
+    tokens, steps = {name: 0 for name in setups}, {name: 0 for name in setups}
+    for ids in prompts:  # one untimed warm-up call per setup (first-call kernel set-up)
+        for drafter in (None, *setups.values()):
+            selfspec.generate(model, ids, drafter=drafter, max_new_tokens=8, adaptive=False)
+        break
     for _ in range(args.rounds):
-        for name, drafter in setups.items():
-            for ids in prompts:
+        for ids in prompts:
+            plain = selfspec.generate(model, ids, max_new_tokens=args.new_tokens).stats
+            seconds["plain"] += plain.wall_time_s / plain.new_tokens
+            for name, drafter in setups.items():
                 s = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=args.new_tokens, adaptive=False).stats
                 per_step[name].append(s.draft_time_s / max(1, s.steps - s.plain_steps))
+                seconds[name] += s.wall_time_s / s.new_tokens
+                tokens[name] += s.new_tokens
+                steps[name] += s.steps
     ms = {name: 1000 * statistics.median(v) for name, v in per_step.items()}
+    speedup = {name: seconds["plain"] / seconds[name] for name in setups}
+    mat = {name: tokens[name] / steps[name] for name in setups}
     command = "python scripts/head_kernels.py " + " ".join(argv or sys.argv[1:])
     tree = setups["bf16 prepacked"].config_dict()
-    rows = "\n".join(f"| {name} | {v:.1f} |" for name, v in ms.items())
+    rows = "\n".join(f"| {name} | {v:.1f} | {mat[name]:.2f} | {speedup[name]:.2f}x |" for name, v in ms.items())
     text = (f"`{command}`\n\nDraft milliseconds per speculative step (median over {args.rounds} x {args.prompts} "
-            f"generations, tree {tree.get('max_depth')}/{tree.get('width')}/{tree.get('max_nodes')}), bf16 prepacked "
-            f"target, {torch.get_num_threads()} threads:\n\n| head linears | draft ms / step |\n|---|---|\n{rows}\n")
+            f"generations of {args.new_tokens} tokens on held-out chat prompts, tree {tree.get('max_depth')}/"
+            f"{tree.get('width')}/{tree.get('max_nodes')}), mean accepted length, and speedup over plain decoding "
+            f"of the same prompts (per-token time, summed over prompts), bf16 prepacked target, "
+            f"{torch.get_num_threads()} threads:\n\n| head linears | draft ms / step | MAT | speedup |\n"
+            f"|---|---|---|---|\n{rows}\n")
     print(text)
     write_result(args.out, {"command": command, "provenance": prov, "threads": torch.get_num_threads(),
-                   "draft_ms_per_step": ms}, text)
+                            "draft_ms_per_step": ms, "mean_accepted_length": mat, "speedup": speedup,
+                            "prompts": texts}, text)
 
 
 if __name__ == "__main__":
