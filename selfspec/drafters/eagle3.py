@@ -24,6 +24,7 @@ recorded as ``Law.WOR`` with q, so the number of draws never depends on the draw
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -37,6 +38,7 @@ from .eagle3_head import Eagle3Head, default_taps, draft_layer_config
 
 
 HEAD_WEIGHTS = ("native", "int8")
+_INT8_COPIES: "weakref.WeakKeyDictionary[Eagle3Head, tuple]" = weakref.WeakKeyDictionary()  # head -> (key, copy)
 
 
 @dataclass
@@ -93,21 +95,24 @@ class Eagle3Drafter(Drafter):
         self.embed = model.get_input_embeddings()
         self.taps = tuple(cfg.taps)
         self._draft_ids = head.draft_ids if head.draft_ids.is_meta else head.draft_ids.to("cpu")
-        self._runtime, self._runtime_key = None, None
+        if cfg.head_weights != "native" and not head.fc.weight.is_meta:
+            self.run_head  # built now, at load time, not inside the first timed generation
         self.reset()
 
     @property
     def run_head(self) -> Eagle3Head:
         """The head drafting runs: :attr:`head` itself, or (``head_weights="int8"``) an int8 copy
-        of it, rebuilt whenever the head's parameters change (never stale)."""
+        of it, shared by the drafters of one head (:meth:`with_options`) and rebuilt whenever the
+        head's parameters change (never stale)."""
         if self.cfg.head_weights == "native":
             return self.head
         key = tuple((p.data_ptr(), p._version) for p in self.head.parameters())
-        if self._runtime is None or key != self._runtime_key:
+        held = _INT8_COPIES.get(self.head)
+        if held is None or held[0] != key:
             runtime = copy.deepcopy(self.head)
             quantize_linears(runtime)
-            self._runtime, self._runtime_key = runtime.eval(), key
-        return self._runtime
+            held = _INT8_COPIES[self.head] = (key, runtime.eval())
+        return held[1]
 
     def reset(self) -> None:
         self.k = self.v = None  # [kv_heads, P, d]: keys / values of the committed pairs
