@@ -220,3 +220,30 @@ def test_adaptive_policy_is_as_fast_as_the_better_of_speculating_and_plain(accep
     if 0.5 <= accept <= 0.56:
         noisy = [_simulate(AdaptiveConfig(probe=2, max_probe=2, z=0.0), accept, seed=s)[0] for s in range(3)]
         assert sum(noisy) / 3 < 0.9 * spec, (noisy, spec)
+
+
+def test_a_tie_on_the_first_prompts_is_measured_again_and_decided_by_both():
+    """Keys within 5% of the best on the first prompts are measured on the next ones; the best mean
+    wins. A clear winner is not measured again, nor is anything when no prompts are left."""
+    from selfspec.measurement.calibration import refined_choice
+
+    first = {"chain3": 1.36, "tree": 1.33, "deep": 1.20}
+    later = {"chain3": 1.25, "tree": 1.34}
+    calls = []
+
+    def measure(keys, prompts):
+        calls.append((list(keys), list(prompts)))
+        table = first if prompts == [0, 1, 2, 3] else later
+        return {k: table[k] for k in keys}
+
+    chosen, one, two = refined_choice(measure, ["chain3", "tree", "deep"], list(range(8)), first=4)
+    assert chosen == "tree" and one == first and two == later
+    assert calls == [(["chain3", "tree", "deep"], [0, 1, 2, 3]), (["chain3", "tree"], [4, 5, 6, 7])]
+    calls.clear()
+    first["tree"] = 1.20  # a clear winner
+    assert refined_choice(measure, ["chain3", "tree", "deep"], list(range(8)), first=4)[0] == "chain3"
+    assert len(calls) == 1
+    calls.clear()
+    first["tree"] = 1.33  # a tie with nothing left to measure on
+    assert refined_choice(measure, ["chain3", "tree", "deep"], [0, 1, 2, 3], first=4) == ("chain3", first, {})
+    assert len(calls) == 1
