@@ -4,8 +4,8 @@ Why: a draft step on a CPU reads every weight of the head for one or a few rows,
 by how many bytes each call reads, not by arithmetic. Storing the head's matrices as int8 with one
 float scale per output row halves those bytes against bf16. Measured on the development machine
 (2 threads, cold cache, 2 rows): the 8192 x 576 EAGLE-3 draft LM head 0.60 ms against 0.95 ms in
-bf16, the 3072 x 576 MLP matrices 0.25 against 0.49 ms; a SmolLM2 EAGLE-3 draft step 10.1 against
-14.9 ms (``docs/benchmarks.md``, round 15).
+bf16, the 3072 x 576 MLP matrices 0.25 against 0.49 ms; a SmolLM2 EAGLE-3 draft step 14.9 against
+20.1 ms with the bf16 head (16.2 prepacked; ``docs/results/r15_head_kernels.md``).
 
 Why by hand: ``torch._weight_int8pack_mm`` (PyTorch's own CPU kernel, the one gpt-fast calls) is
 the fast path; torchao 0.18's ``Int8WeightOnlyConfig`` measured slower than plain bf16 here (1.43
@@ -50,13 +50,12 @@ class Int8Linear(nn.Module):
     """``y = x @ (W8 * scale[:, None]).T + bias``; shapes as ``nn.Linear``
     (``[..., in_features]`` -> ``[..., out_features]``). Build with :meth:`from_linear`."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)  # float32 master copy
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.out_dtype = out_dtype
         self._scales: dict[torch.dtype, torch.Tensor] = {}
         self._dense: dict[torch.dtype, torch.Tensor] = {}
         self.kernel = self._kernel_checked()
@@ -64,7 +63,7 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
         q, scale = quantize_rows(linear.weight)
-        return cls(q, scale, linear.bias, linear.weight.dtype)
+        return cls(q, scale, linear.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
