@@ -88,7 +88,7 @@ def test_training_time_test_equals_inference_chain():
         torch.testing.assert_close(last[0], outs[0][0, t])
         o, slots = last, []
         for j in (1, 2):
-            o = drafter._forward_level([int(seq[t + j + 1])], o, j, [slots])
+            o = drafter._forward_level(drafter.run_head, [int(seq[t + j + 1])], o, j, [slots])
             slots = slots + [j - 1]
             torch.testing.assert_close(o[0], outs[j][0, t])
 

@@ -190,7 +190,8 @@ class Eagle3Drafter(Drafter):
         finally:  # drop the tree's keys: the cache holds committed pairs only
             self.k, self.v = self.k[:, : self.cached], self.v[:, : self.cached]
 
-    def _forward_level(self, tokens: list[int], feats: torch.Tensor, depth: int, anc_slots: list[list[int]]):
+    def _forward_level(self, head: Eagle3Head, tokens: list[int], feats: torch.Tensor, depth: int,
+                       anc_slots: list[list[int]]):
         """One fused call over a frontier at ``depth`` (draft ids ``tokens``, parent outputs ``feats``
         ``[f, H]``); ``anc_slots[i]``: cache slots (after the committed pairs) of node i's forwarded
         ancestors. Appends the frontier's keys; returns its ``[f, H]`` outputs."""
@@ -203,7 +204,7 @@ class Eagle3Drafter(Drafter):
             visible[i, [self.cached + s for s in slots]] = True
             visible[i, base + i] = True
         pos = torch.full((f,), self.cached - 1 + depth, device=dev)
-        out, k, v = self.run_head.step(self.embed(ids.to(dev)).to(dtype), feats, pos, self.k, self.v, visible)
+        out, k, v = head.step(self.embed(ids.to(dev)).to(dtype), feats, pos, self.k, self.v, visible)
         self.k, self.v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
         return out
 
@@ -234,7 +235,7 @@ class Eagle3Drafter(Drafter):
             base = self.k.shape[1] - self.cached
             for i, c in enumerate(nxt):
                 anc[c] = anc[parent[c]] + [base + i]
-            outs = self._forward_level([token[c] for c in nxt], outs[[row_of[c] for c in nxt]], depth,
+            outs = self._forward_level(head, [token[c] for c in nxt], outs[[row_of[c] for c in nxt]], depth,
                                        [anc[c][:-1] for c in nxt])
             frontier = nxt
         keep = sorted(sorted(range(1, len(parent)), key=lambda c: (-score[c], c))[: cfg.max_nodes])
@@ -279,7 +280,7 @@ class Eagle3Drafter(Drafter):
             base = self.k.shape[1] - self.cached
             for i, n in enumerate(new):
                 anc[n] = anc[par[n]] + [base + i]
-            outs = self._forward_level(draft_tokens, outs[rows], depth, [anc[n][:-1] for n in new])
+            outs = self._forward_level(head, draft_tokens, outs[rows], depth, [anc[n][:-1] for n in new])
             level = new
         return builder.build()
 
