@@ -13,6 +13,11 @@ calibration prompts (GSM8K train + HumanEval from ../shared/data, never the benc
   running in the weights ``--head-weights`` says (int8 where its kernel runs here; stored too).
   Grid entries within 5% of the best on the first four prompts are measured again on four more,
   and the best mean of the two estimates is kept (a tie on four prompts is within noise here).
+  With ``--within SPEC`` (e.g. ``ngram``) every grid entry is measured as a member of the union
+  with SPEC (a fresh union per entry), and the choice is stored as the tree the head uses inside
+  unions (``extra.options_in_union_by_dtype``; ``eagle3+ngram`` loads it, ``eagle3`` alone keeps
+  its own): a union spends one verify budget on both members' nodes, so its best member tree can
+  differ from the head's best tree alone.
 
 The choice and the measurements are written into the checkpoint (``drafter.json``) per target
 dtype (``--dtype``; bf16 and fp32 verify costs differ), so ``selfspec.load_drafter`` uses the tree
@@ -38,7 +43,7 @@ from selfspec.measurement.calibration import (choose_tree, heads_accuracy, heads
                                               refined_choice, verify_costs)
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.checkpoint import CONFIG_FILE, atomic_write_text, read_checkpoint  # noqa: E402
-from selfspec.drafters import load_drafter  # noqa: E402
+from selfspec.drafters import UnionDrafter, drafter_from_spec, load_drafter  # noqa: E402
 from selfspec.measurement.workloads import calibration_prompts, heldout_chat_prompts  # noqa: E402
 from selfspec.measurement.machine import cpu_label  # noqa: E402
 
@@ -91,12 +96,17 @@ def main(argv=None) -> None:
     ap.add_argument("--head-weights", default="auto", choices=("auto", "native", "int8"),
                     help="eagle3: weights the draft head runs with in every grid entry (auto: int8 where the "
                          "int8 kernel runs here, else native; see selfspec/int8_linear.py)")
+    ap.add_argument("--within", default=None, metavar="SPEC",
+                    help="eagle3: calibrate the head's tree as a member of the union with SPEC (e.g. ngram) and "
+                         "store it as its tree inside unions")
     ap.add_argument("--dry-run", action="store_true", help="print the choice, leave the checkpoint as it is")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, tok = selfspec.load_target(args.target, dtype=args.dtype)
     drafter = load_drafter(args.checkpoint, model)
     meta, _ = read_checkpoint(args.checkpoint)
+    if args.within and drafter.kind != "eagle3":
+        raise SystemExit(f"--within calibrates eagle3 heads inside a union, not {drafter.kind} drafters")
     texts = calibration_prompts(SHARED, args.prompts)
     if drafter.kind == "eagle3":
         texts = heldout_chat_prompts(SHARED, args.prompts, training_prompts(meta))
@@ -145,8 +155,14 @@ def main(argv=None) -> None:
         grid = [dict(max_depth=d, width=1, branch=1, max_nodes=d) for d in (3, 4, 5)]
         grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in ((4, 2, 6), (5, 3, 8), (6, 4, 12))]
         grid = [g | {"head_weights": weights} for g in grid if g["max_nodes"] <= args.max_nodes]
+        def make(i):  # noqa: E306  (a fresh drafter, and a fresh union, per grid entry)
+            member = drafter.with_options(**grid[i])
+            if args.within is None:
+                return member
+            return UnionDrafter([member, drafter_from_spec(model, args.within, args.target, tok)])
+
         def measure(keys, some):  # noqa: E306
-            return measured_search(model, lambda i: drafter.with_options(**grid[i]), some, keys)[1]
+            return measured_search(model, make, some, keys)[1]
 
         chosen, speedups, second = refined_choice(measure, list(range(len(grid))), prompts, first=4)
         for i, g in enumerate(grid):
@@ -154,20 +170,26 @@ def main(argv=None) -> None:
             print(f"  {g}: {speedups[i]:.3f}x{again}")
         drafter = drafter.with_options(**grid[chosen])
         record |= {"grid": grid, "measured_speedup": [speedups[i] for i in range(len(grid))], "chosen": grid[chosen],
-                   "remeasured_speedup": {str(i): second[i] for i in second}}
+                   "remeasured_speedup": {str(i): second[i] for i in second}, "within": args.within}
         print(f"chosen {grid[chosen]}" + ("" if speedups[chosen] > 1.0 else " (nothing beat plain decoding here)"))
     else:
         raise SystemExit(f"no calibration for drafters of kind {drafter.kind!r}")
     if args.dry_run:
         return
     extra = meta.setdefault("extra", {})
-    extra.setdefault("calibration_by_dtype", {})[args.dtype] = json.loads(json.dumps(record))
     options = {k: v for k, v in drafter.config_dict().items() if k in TREE_OPTIONS}
+    if args.within is not None:  # the tree inside unions; the head's own tree is left as it is
+        extra.setdefault("calibration_in_union_by_dtype", {})[args.dtype] = json.loads(json.dumps(record))
+        extra.setdefault("options_in_union_by_dtype", {})[args.dtype] = options
+        atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
+        print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} (tree inside unions, {args.dtype})")
+        return
+    extra.setdefault("calibration_by_dtype", {})[args.dtype] = json.loads(json.dumps(record))
     extra.setdefault("options_by_dtype", {})[args.dtype] = options
     if args.dtype == "float32":  # the weights are unchanged: rewrite drafter.json only
         meta["config"] = drafter.config_dict()
         extra["calibration"] = json.loads(json.dumps(record))
-    atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1))
+    atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
     print(f"stored in {Path(args.checkpoint) / CONFIG_FILE}")
 
 

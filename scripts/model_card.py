@@ -124,6 +124,13 @@ def _calibration_lines(extra: dict) -> list[str]:
                 lines.append("  measured speedup over plain decoding on held-out chat prompts: " + "; ".join(
                     f"{g['max_depth']}/{g['width']}/{g['max_nodes']} (depth/width/nodes) {v:.2f}x"
                     for g, v in zip(record["grid"], record["measured_speedup"])))
+        for dtype, opts in extra.get("options_in_union_by_dtype", {}).items():
+            record = extra.get("calibration_in_union_by_dtype", {}).get(dtype, {})
+            lines.append(f"- {dtype}, as a member of unions (`--within {record.get('within', '?')}`): {opts}")
+            if "grid" in record:
+                lines.append(f"  measured speedup of the union with `{record.get('within')}` over plain decoding: " + "; ".join(
+                    f"{g['max_depth']}/{g['width']}/{g['max_nodes']} {v:.2f}x"
+                    for g, v in zip(record["grid"], record["measured_speedup"])))
         return lines + [""]
     c = extra.get("calibration")
     if not c:

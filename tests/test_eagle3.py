@@ -285,6 +285,39 @@ def test_checkpoint_round_trip_and_foreign_targets(tmp_path):
         load_drafter(tmp_path / "d", tiny_model("qwen3"))
 
 
+def test_tree_calibrated_inside_unions_is_used_there_only(tmp_path):
+    """``extra.options_in_union_by_dtype`` (scripts/calibrate.py --within) is the member tree of
+    ``a+b`` specs and ``build_drafter(model, "union", ...)``; the head alone keeps its own tree,
+    explicit ``@`` options win, another dtype's entry is ignored, and a bad entry is refused at load."""
+    import json
+
+    from selfspec.checkpoint import CONFIG_FILE
+    from selfspec.drafters import drafter_from_spec
+
+    model = tiny_model("llama", layers=5)
+    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32, max_depth=4, width=2, max_nodes=6))
+    save_drafter(drafter, tmp_path / "d")
+    meta = json.loads((tmp_path / "d" / CONFIG_FILE).read_text())
+    meta["extra"] = {"options_in_union_by_dtype": {"float64": {"max_depth": 3, "width": 1, "branch": 1, "max_nodes": 3},
+                                                   "bfloat16": {"max_depth": 5}}}
+    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
+    alone = load_drafter(tmp_path / "d", model)
+    assert (alone.cfg.max_depth, alone.cfg.max_nodes) == (4, 6)
+    union = drafter_from_spec(model, f"{tmp_path / 'd'}+ngram")
+    assert (union.members[0].cfg.max_depth, union.members[0].cfg.width, union.members[0].cfg.max_nodes) == (3, 1, 3)
+    assert union.members[0].checkpoint_meta is not None
+    built = build_drafter(model, "union", members=[alone, build_drafter(model, "ngram")])
+    assert built.members[0].cfg.max_nodes == 3
+    explicit = drafter_from_spec(model, f"{tmp_path / 'd'}@max_nodes=5+ngram")
+    assert (explicit.members[0].cfg.max_depth, explicit.members[0].cfg.max_nodes) == (4, 5)
+    out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=12)
+    assert torch.equal(out.sequences, selfspec.generate(model, PROMPT, max_new_tokens=12).sequences)
+    meta["extra"]["options_in_union_by_dtype"]["float64"] = {"max_depth": 3, "draft_vocab_size": 8}
+    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="cannot change"):
+        load_drafter(tmp_path / "d", model)
+
+
 def test_bad_options_are_refused():
     model = tiny_model("llama", layers=5)
     with pytest.raises(ValueError, match="unknown eagle3"):

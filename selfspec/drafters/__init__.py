@@ -68,6 +68,10 @@ def load_drafter(path, model) -> Drafter:
         options = (meta.get("extra") or {}).get("options_by_dtype", {}).get(dtype)
         if options:
             drafter = drafter.with_options(**options)
+        union_options = (meta.get("extra") or {}).get("options_in_union_by_dtype", {}).get(dtype)
+        if union_options:
+            drafter.with_options(**union_options)  # refused here, at load time, if invalid
+            drafter.union_options = dict(union_options)
     except ValueError as err:
         raise CheckpointError(f"{str(path)!r}: {err}") from None
     drafter.checkpoint_meta = meta
@@ -136,7 +140,7 @@ def drafter_from_spec(model, spec: str, target: str | None = None, tokenizer=Non
     if spec == "none":
         return None
     if "+" in spec:
-        return UnionDrafter([drafter_from_spec(model, s, target, tokenizer) for s in spec.split("+")])
+        return UnionDrafter([union_member(drafter_from_spec(model, s, target, tokenizer)) for s in spec.split("+")])
     if "@" in spec:
         base, _, opts = spec.partition("@")
         drafter = drafter_from_spec(model, base, target, tokenizer)
@@ -158,6 +162,19 @@ def drafter_from_spec(model, spec: str, target: str | None = None, tokenizer=Non
     if kind in _NEEDS_TOKENIZER:
         options["tokenizer"] = tokenizer
     return build_drafter(model, kind, **options)
+
+
+def union_member(drafter: Drafter) -> Drafter:
+    """``drafter`` as a union member: with its checkpoint's tree calibrated inside a union
+    (:attr:`~selfspec.drafters.base.Drafter.union_options`, ``scripts/calibrate.py --within``)
+    where one is stored, else as it is. A union spends one verify budget on several members' nodes,
+    so a member's best tree there can differ from its best tree alone. Options given explicitly
+    (``eagle3@max_depth=5+ngram``) win: a drafter changed by ``with_options`` carries none."""
+    if drafter is None or not drafter.union_options:
+        return drafter
+    member = drafter.with_options(**drafter.union_options)
+    member.checkpoint_meta = getattr(drafter, "checkpoint_meta", None)
+    return member
 
 
 def _parse_options(text: str) -> dict:
@@ -220,7 +237,7 @@ def _build_tools(model, tokenizer=None, **options) -> ToolCallDrafter:
 
 
 def _build_union(model, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05) -> UnionDrafter:
-    drafter = UnionDrafter(list(members), max_nodes, min_value)
+    drafter = UnionDrafter([union_member(m) for m in members], max_nodes, min_value)
     drafter.check_target(model)
     return drafter
 
@@ -240,5 +257,5 @@ _CHECKPOINTS["layerskip_lora"] = (lora_skip_weights, lora_skip_from_checkpoint)
 
 __all__ = [
     "DraftContext", "Drafter", "Proposal", "Eagle3Config", "Eagle3Drafter", "LayerSkipConfig", "LayerSkipDrafter", "LoraSkipConfig", "LoraSkipDrafter", "MedusaConfig", "MedusaDrafter", "NgramConfig", "NgramDrafter", "SuffixConfig", "SuffixDrafter", "TargetSignature", "ToolCallDrafter", "ToolDraftConfig",
-    "UnionDrafter", "build_drafter", "drafter_from_spec", "load_drafter", "register", "save_drafter", "shipped_checkpoint",
+    "UnionDrafter", "build_drafter", "drafter_from_spec", "union_member", "load_drafter", "register", "save_drafter", "shipped_checkpoint",
 ]

@@ -130,6 +130,10 @@ class Drafter(ABC):
     #: adaptive=True)`` uses with this drafter and keeps across calls; ``None`` until first used.
     #: Pass ``adaptive=AdaptivePolicy(...)`` to keep the state yourself instead.
     adaptive_policy = None
+    #: Tree options to use as a member of a union (:func:`selfspec.drafters.drafter_from_spec`
+    #: ``a+b``): a checkpoint's tree calibrated inside a union for the target's dtype
+    #: (``scripts/calibrate.py --within``), set by ``load_drafter``; ``None``: the drafter's own.
+    union_options: dict | None = None
     #: True when the drafter uses the caller's tool definitions (``generate(..., tools=...)``,
     #: handed over by :meth:`set_tools` before the call).
     uses_tools: bool = False
