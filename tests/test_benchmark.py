@@ -154,6 +154,27 @@ def test_methods_run_in_an_order_rotated_per_turn(tmp_path):
     assert all(r.identical_to_baseline for r in records)  # each paired with its own turn's baseline
 
 
+def test_warm_up_drafts_before_the_first_measured_run(tmp_path):
+    """The untimed warm-up drafts (an adaptive run's first step is plain, so a warm-up through the
+    adaptive path alone left a drafter's first-call costs to its first measured prompt)."""
+    from selfspec.drafters import build_drafter
+
+    tok = tiny_tokenizer(128)
+    model = tiny_model("llama", vocab=len(tok))
+    drafter = build_drafter(model, "ngram")
+    proposals, seen = [], []
+    inner = drafter.propose
+    drafter.propose = lambda ctx: (proposals.append(ctx.tokens.shape[0]), inner(ctx))[1]
+
+    class Watched(benchmark.SelfspecMethod):
+        def __call__(self, model, ids, **kw):
+            seen.append(len(proposals))
+            return super().__call__(model, ids, **kw)
+
+    benchmark.run(model, tok, _questions(tmp_path)[:1], {"ngram": Watched(drafter)}, max_new_tokens=4, progress=False)
+    assert seen[0] >= 3  # drafted at every step of the warm-up, before any other call
+
+
 def test_docs_tables_match_their_result_files():
     """Every result block embedded in the docs equals the result file it names."""
     import importlib.util
