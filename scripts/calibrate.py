@@ -43,7 +43,7 @@ from selfspec.measurement.calibration import (choose_tree, heads_accuracy, heads
                                               refined_choice, verify_costs)
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.checkpoint import CONFIG_FILE, atomic_write_text, read_checkpoint  # noqa: E402
-from selfspec.drafters import UnionDrafter, drafter_from_spec, load_drafter  # noqa: E402
+from selfspec.drafters import UnionDrafter, drafter_from_spec, load_drafter, union_member  # noqa: E402
 from selfspec.measurement.workloads import calibration_prompts, heldout_chat_prompts  # noqa: E402
 from selfspec.measurement.machine import cpu_label  # noqa: E402
 
@@ -159,7 +159,7 @@ def main(argv=None) -> None:
             member = drafter.with_options(**grid[i])
             if args.within is None:
                 return member
-            return UnionDrafter([member, drafter_from_spec(model, args.within, args.target, tok)])
+            return UnionDrafter([member, union_member(drafter_from_spec(model, args.within, args.target, tok))])
 
         def measure(keys, some):  # noqa: E306
             return measured_search(model, make, some, keys)[1]

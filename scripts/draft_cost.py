@@ -14,12 +14,14 @@ them (``time.perf_counter`` around each call, so the split adds a few microsecon
 * **tree layers**: the draft layer over each tree level's frontier (``Eagle3Head.step`` outside
   catch-up);
 * **LM head**: ``norm`` + ``lm_head`` over the reduced draft vocabulary (``Eagle3Head.logits``);
-* **other drafting**: the rest of the engine's draft time (top-k, tree bookkeeping in Python);
-* **verify**: the engine's verify time per speculative step (the target's pass over the tree,
-  acceptance, cache compaction).
+* **other drafting**: the rest of ``propose`` (top-k, tree bookkeeping in Python);
+* **verify and engine**: the rest of the step, from the end of one ``propose`` to the start of the
+  next (the target's pass over the tree, acceptance, cache compaction, the engine's bookkeeping);
+  a generation's last step, which follows no later proposal, is not counted.
 
-Plain decoding of the same prompts is interleaved per prompt and round; its time per step is the
-reference. Medians per step over all speculative steps. Writes <out>.json and <out>.md.
+Plain decoding of the same prompts is interleaved per prompt and round; its decode seconds per
+step are the reference. Medians per speculative step (the split's parts do not sum to the median
+total). The mean accepted length counts speculative steps only. Writes <out>.json and <out>.md.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from selfspec.measurement.measure import write_result  # noqa: E402
 from selfspec.measurement.workloads import heldout_chat_prompts  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-PARTS = ("catch-up", "tree layers", "LM head", "other drafting", "verify")
+PARTS = ("catch-up", "tree layers", "LM head", "other drafting", "verify and engine")
 
 
 class _Timers:
@@ -104,18 +106,28 @@ def main(argv=None) -> None:
     per_step = {part: [] for part in (*PARTS, "draft total")}
     inner_propose = drafter.propose
 
+    last_end = [None]  # when the previous proposal of this generation returned
+
     def propose(ctx):
         timers.step = dict.fromkeys(PARTS[:3], 0.0)
         start = time.perf_counter()
+        if last_end[0] is not None:  # the previous step's verify and engine work
+            per_step["verify and engine"].append(start - last_end[0])
         tree = inner_propose(ctx)
-        total = time.perf_counter() - start
+        last_end[0] = end = time.perf_counter()
         for part, spent in timers.step.items():
             per_step[part].append(spent)
-        per_step["other drafting"].append(total - sum(timers.step.values()))
-        per_step["draft total"].append(total)
+        per_step["other drafting"].append(end - start - sum(timers.step.values()))
+        per_step["draft total"].append(end - start)
         return tree
 
-    drafter.propose = propose
+    inner_reset = drafter.reset
+
+    def reset():
+        last_end[0] = None
+        inner_reset()
+
+    drafter.propose, drafter.reset = propose, reset
     selfspec.generate(model, prompts[0], drafter=drafter, max_new_tokens=8, adaptive=False)  # warm-up
     selfspec.generate(model, prompts[0], max_new_tokens=8)
     for part in per_step:
@@ -125,9 +137,10 @@ def main(argv=None) -> None:
         for ids in prompts:
             plain = selfspec.generate(model, ids, max_new_tokens=args.new_tokens).stats
             plain_step.append(plain.decode_time_s / max(1, plain.steps))
+            before = len(per_step["draft total"])
             s = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=args.new_tokens, adaptive=False).stats
-            per_step["verify"] += [s.verify_time_s / max(1, s.steps)] * s.steps
-            tokens, steps = tokens + s.new_tokens, steps + s.steps
+            spec = len(per_step["draft total"]) - before  # steps that drafted (the last one may not)
+            tokens, steps = tokens + s.new_tokens - (s.steps - spec), steps + spec
     ms = {part: 1000 * statistics.median(v) for part, v in per_step.items()}
     ms["plain step"] = 1000 * statistics.median(plain_step)
     mat = tokens / steps

@@ -288,7 +288,7 @@ def test_checkpoint_round_trip_and_foreign_targets(tmp_path):
 def test_tree_calibrated_inside_unions_is_used_there_only(tmp_path):
     """``extra.options_in_union_by_dtype`` (scripts/calibrate.py --within) is the member tree of
     ``a+b`` specs and ``build_drafter(model, "union", ...)``; the head alone keeps its own tree,
-    explicit ``@`` options win, another dtype's entry is ignored, and a bad entry is refused at load."""
+    ``@`` options apply on top of it, another dtype's entry is ignored, and a bad entry is refused at load."""
     import json
 
     from selfspec.checkpoint import CONFIG_FILE
@@ -308,8 +308,9 @@ def test_tree_calibrated_inside_unions_is_used_there_only(tmp_path):
     assert union.members[0].checkpoint_meta is not None
     built = build_drafter(model, "union", members=[alone, build_drafter(model, "ngram")])
     assert built.members[0].cfg.max_nodes == 3
-    explicit = drafter_from_spec(model, f"{tmp_path / 'd'}@max_nodes=5+ngram")
-    assert (explicit.members[0].cfg.max_depth, explicit.members[0].cfg.max_nodes) == (4, 5)
+    explicit = drafter_from_spec(model, f"{tmp_path / 'd'}@max_nodes=5+ngram")  # on top of the union tree
+    assert (explicit.members[0].cfg.max_depth, explicit.members[0].cfg.max_nodes) == (3, 5)
+    assert drafter_from_spec(model, f"{tmp_path / 'd'}@max_nodes=5").cfg.max_depth == 4  # alone: its own tree
     out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=12)
     assert torch.equal(out.sequences, selfspec.generate(model, PROMPT, max_new_tokens=12).sequences)
     meta["extra"]["options_in_union_by_dtype"]["float64"] = {"max_depth": 3, "draft_vocab_size": 8}

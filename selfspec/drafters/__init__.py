@@ -72,7 +72,7 @@ def load_drafter(path, model) -> Drafter:
         if union_options:
             drafter.with_options(**union_options)  # refused here, at load time, if invalid
             drafter.union_options = dict(union_options)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:  # bad stored options (medusa's with_options raises TypeError)
         raise CheckpointError(f"{str(path)!r}: {err}") from None
     drafter.checkpoint_meta = meta
     return drafter
@@ -146,7 +146,11 @@ def drafter_from_spec(model, spec: str, target: str | None = None, tokenizer=Non
         drafter = drafter_from_spec(model, base, target, tokenizer)
         if not hasattr(drafter, "with_options"):
             raise ValueError(f"drafters of kind {drafter.kind!r} take no @options")
-        return drafter.with_options(**_parse_options(opts))
+        options = _parse_options(opts)
+        changed = drafter.with_options(**options)
+        if drafter.union_options:  # inside a union: the union-calibrated tree with these options on top
+            changed.union_options = drafter.union_options | options
+        return changed
     if Path(spec).is_dir():
         return load_drafter(spec, model)
     if spec in _CHECKPOINTS:
@@ -168,8 +172,9 @@ def union_member(drafter: Drafter) -> Drafter:
     """``drafter`` as a union member: with its checkpoint's tree calibrated inside a union
     (:attr:`~selfspec.drafters.base.Drafter.union_options`, ``scripts/calibrate.py --within``)
     where one is stored, else as it is. A union spends one verify budget on several members' nodes,
-    so a member's best tree there can differ from its best tree alone. Options given explicitly
-    (``eagle3@max_depth=5+ngram``) win: a drafter changed by ``with_options`` carries none."""
+    so a member's best tree there can differ from its best tree alone. Options given in a spec
+    (``eagle3@head_weights=native+ngram``) apply on top of the union-calibrated tree. Returns a new
+    drafter object where options apply (the one passed in is left as it is)."""
     if drafter is None or not drafter.union_options:
         return drafter
     member = drafter.with_options(**drafter.union_options)
@@ -237,6 +242,8 @@ def _build_tools(model, tokenizer=None, **options) -> ToolCallDrafter:
 
 
 def _build_union(model, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05) -> UnionDrafter:
+    """The union of ``members``, each as :func:`union_member` (a checkpoint's tree calibrated
+    inside unions replaces its own: the union may hold new member objects)."""
     drafter = UnionDrafter([union_member(m) for m in members], max_nodes, min_value)
     drafter.check_target(model)
     return drafter

@@ -108,10 +108,16 @@ class SelfspecMethod:
     def warm_up(self, model, ids, *, temperature: float, seed: int) -> None:
         """Untimed: a short generation that drafts at every step (no adaptive fallback), so the
         first-call costs of drafting and of verifying trees (kernel selection, weight packing) land
-        here and not in the first measured prompt; the adaptive state is left untouched."""
-        if self.drafter is not None:
-            generate(model, ids, drafter=self.drafter, max_new_tokens=8, temperature=temperature, seed=seed,
-                     adaptive=False)
+        here and not in the first measured prompt. The adaptive state is left untouched, and so is
+        a union's (it learns across calls): its members are warmed up one by one instead.
+        Drafters that learn from past outputs (``suffix``) see the warm-up's 8 tokens, as they saw
+        the adaptive warm-up's."""
+        if self.drafter is None:
+            return
+        for drafter in getattr(self.drafter, "members", None) or [self.drafter]:
+            if not drafter.self_paced:
+                generate(model, ids, drafter=drafter, max_new_tokens=8, temperature=temperature, seed=seed,
+                         adaptive=False)
 
     def __call__(self, model, ids, *, max_new_tokens: int, temperature: float, seed: int, tools=None,
                  constraint=None) -> RunResult:
