@@ -41,7 +41,6 @@ import torch  # noqa: E402
 
 import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
-from selfspec.checkpoint import read_checkpoint  # noqa: E402
 from selfspec.drafters import load_drafter  # noqa: E402
 from selfspec.measurement import benchmark  # noqa: E402
 from selfspec.measurement.measure import write_result  # noqa: E402
@@ -96,8 +95,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"draft_cost splits EAGLE-3 steps; {args.checkpoint} holds a {drafter.kind} drafter")
     from calibrate import training_prompts
 
-    meta, _ = read_checkpoint(args.checkpoint)
-    texts = heldout_chat_prompts(SHARED, args.prompts, training_prompts(meta))
+    texts = heldout_chat_prompts(SHARED, args.prompts, training_prompts(drafter.checkpoint_meta))
     prompts = [encode_chat(tok, t) for t in texts]
     timers, head = _Timers(), drafter.run_head
     timers.wrap(drafter, "catch_up", "catch-up")
