@@ -63,6 +63,9 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16 or auto")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--no-adaptive", action="store_true", help="selfspec methods draft every step")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every turn's methods N times (order rotated between rounds) and keep each "
+                         "method's median run: steadier ratios on a shared machine, at N times the cost")
     ap.add_argument("--out", default=None, help="output path prefix (writes .json, .md, .png)")
     ap.add_argument("--resume", action="store_true", help="skip turns already in <out>.partial.jsonl")
     ap.add_argument("--title", default="", help="plot title")
@@ -75,6 +78,8 @@ def main(argv=None) -> None:
         write(args.out, stored["args"], benchmark.from_rows(stored["records"]), stored.get("command", ""),
               args.title or stored["args"].get("title", ""), stored.get("provenance"))
         return
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.resume and not args.out:
         ap.error("--resume needs --out")
 
@@ -107,6 +112,8 @@ def main(argv=None) -> None:
     methods = {spec: method(spec) for spec in args.methods}
     partial = args.out + ".partial.jsonl" if args.out else None
     settings = {k: vars(args)[k] for k in ("model", "max_new_tokens", "temperature", "no_adaptive", "dtype", "constrain")}
+    if args.repeats != 1:  # (files written before --repeats existed resume as before)
+        settings["repeats"] = args.repeats
     done = []
     if partial and args.resume and os.path.exists(partial):
         with open(partial) as f:
@@ -138,7 +145,8 @@ def main(argv=None) -> None:
                 raise SystemExit(f"--constrain tool-call: question {q.question_id} offers no tools")
             return ToolCallConstraint(q.meta["tools"], tokenizer, vocab=model.config.vocab_size)
     records = benchmark.run(model, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, done=done, on_turn=persist, constrain=constrain)
+                            temperature=args.temperature, done=done, on_turn=persist, constrain=constrain,
+                            repeats=args.repeats)
     command = "python scripts/benchmark.py " + " ".join(argv or sys.argv[1:])
     if args.out:
         write(args.out, vars(args), records, command, args.title, prov)

@@ -154,6 +154,54 @@ def test_methods_run_in_an_order_rotated_per_turn(tmp_path):
     assert all(r.identical_to_baseline for r in records)  # each paired with its own turn's baseline
 
 
+def test_repeats_keep_each_methods_median_run_and_refuse_methods_that_remember(tmp_path):
+    """``repeats``: every turn's methods run N times in rotated order; each record is the method's
+    run with the median seconds per token (every run's kept); a greedy record is identical only if
+    every repeat was; methods whose second run is not the same work (they remember outputs or keep
+    a prefix cache) are refused."""
+    import dataclasses
+
+    from selfspec.drafters import build_drafter
+
+    tok = tiny_tokenizer(128)
+    model = tiny_model("llama", vocab=len(tok))
+    slow = iter([0.0, 9.0, 1.0, 4.0])  # extra wall seconds of the timed method's runs (warm-up first)
+    order = []
+
+    def timed(model, ids, **kw):
+        order.append("t")
+        out = benchmark.SelfspecMethod(None)(model, ids, **kw)
+        return dataclasses.replace(out, wall_time_s=out.wall_time_s + next(slow))
+
+    calls = {"n": 0}
+
+    def flaky(model, ids, **kw):  # its second run of every turn changes the text
+        order.append("f")
+        out = benchmark.SelfspecMethod(None)(model, ids, **kw)
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:  # (the first call is the warm-up)
+            seq = out.sequences.clone()
+            seq[0, -1] = (seq[0, -1] + 1) % 128
+            out = dataclasses.replace(out, sequences=seq)
+        return out
+
+    records = benchmark.run(model, tok, _questions(tmp_path)[1:], {"t": timed, "f": flaky}, max_new_tokens=6,
+                            progress=False, repeats=3)
+    assert order[2:] == ["t", "f", "t", "f", "f", "t"]  # (after the warm-up) b t f, t f b, f b t
+    by = {r.method: r for r in records}
+    assert all(len(r.repeat_s_per_token) == 3 for r in records)
+    t = by["t"]
+    assert sorted(t.repeat_s_per_token)[1] == pytest.approx((t.wall_time_s - t.ttft_s) / (t.new_tokens - t.first_tokens))
+    assert t.repeat_s_per_token[0] > t.repeat_s_per_token[2] > t.repeat_s_per_token[1]  # 9 s, then 1 s, then 4 s
+    assert t.identical_to_baseline and not by["f"].identical_to_baseline
+    suffix = build_drafter(model, "suffix")
+    for methods in ({"s": suffix}, {"u": build_drafter(model, "union", members=[build_drafter(model, "ngram"), suffix])},
+                    {"c": benchmark.method_from_spec(model, "ngram~cache")}):
+        with pytest.raises(ValueError, match="remembers earlier runs"):
+            benchmark.run(model, tok, _questions(tmp_path), methods, max_new_tokens=4, progress=False, repeats=2)
+    benchmark.run(model, tok, _questions(tmp_path)[1:], {"s": suffix}, max_new_tokens=4, progress=False)  # 1 is fine
+
+
 def test_warm_up_drafts_before_the_first_measured_run(tmp_path):
     """The untimed warm-up drafts (an adaptive run's first step is plain, so a warm-up through the
     adaptive path alone left a drafter's first-call costs to its first measured prompt)."""

@@ -137,6 +137,10 @@ class Drafter(ABC):
     #: True when the drafter uses the caller's tool definitions (``generate(..., tools=...)``,
     #: handed over by :meth:`set_tools` before the call).
     uses_tools: bool = False
+    #: True when the drafter keeps what earlier generations wrote (:meth:`end`) and drafts from it
+    #: later (a suffix index of past outputs): running the same prompt twice is then not the same
+    #: work twice (the benchmark refuses ``--repeats`` for such drafters).
+    learns_from_outputs: bool = False
 
     def __init__(self, signature: TargetSignature | None = None):
         self.signature = signature

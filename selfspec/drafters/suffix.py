@@ -70,6 +70,7 @@ class SuffixDrafter(Drafter):
     """
 
     kind = "suffix"
+    learns_from_outputs = True  # the global index holds every earlier output
 
     def __init__(self, cfg: SuffixConfig, signature: TargetSignature | None = None):
         super().__init__(signature)

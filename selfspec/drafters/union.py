@@ -122,6 +122,7 @@ class UnionDrafter(Drafter):
         self.members, self.max_nodes, self.min_value, self.decay = members, max_nodes, min_value, decay
         self.needs_hidden = any(m.needs_hidden for m in members)
         self.uses_tools = any(m.uses_tools for m in members)
+        self.learns_from_outputs = any(m.learns_from_outputs for m in members)
         taps = {m.taps for m in members if m.taps}
         if len(taps) > 1:
             raise ValueError(f"union members read different target taps {sorted(taps)}")

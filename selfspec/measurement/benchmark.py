@@ -71,6 +71,7 @@ class Record:
     peak_mem_mib: float = 0.0
     reply: str | None = None  # the baseline's reply text (conversation history on resume)
     divergence: dict | None = None  # greedy only: where and why the output left the baseline
+    repeat_s_per_token: list[float] | None = None  # with repeats: every run's (the record is the median one)
     @property
     def after_first_s(self) -> float:
         """Seconds spent on tokens after the first."""
@@ -283,9 +284,17 @@ def run(
     done: list[Record] | None = None,
     on_turn: Callable[[list[Record]], None] | None = None,
     constrain: Callable[[Question], object] | None = None,
+    repeats: int = 1,
 ) -> list[Record]:
     """Run ``baseline`` and each method ({name: method, drafter or ``None``}) on every turn, in an
     order rotated by one from turn to turn (so position effects cancel in the paired ratios).
+
+    ``repeats``: every turn runs all methods this many times, the order rotated by one between
+    rounds; each method's record is its run with the median seconds per token after the first
+    (``repeat_s_per_token`` keeps every run's), so a burst of load on this shared machine during
+    one run moves no result. Refused for methods whose second run of a prompt is not the same work
+    (a drafter that learns from earlier outputs, a prefix cache per session). A greedy run counts
+    as identical to the baseline only if every repeat was.
 
     ``done``: records of an interrupted run; turns whose every method is recorded there are not
     run again (their stored baseline reply continues the conversation). ``on_turn`` receives each
@@ -295,6 +304,15 @@ def run(
     """
     runners = {name: m if callable(m) and not isinstance(m, Drafter) else SelfspecMethod(m)
                for name, m in methods.items()}
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if repeats > 1:
+        for name, runner in runners.items():
+            inner = getattr(runner, "method", runner)
+            drafter = getattr(inner, "drafter", None)
+            if getattr(inner, "prefix_cache", False) or (drafter is not None and drafter.learns_from_outputs):
+                raise ValueError(f"--repeats {repeats}: method {name!r} remembers earlier runs (a prefix cache or "
+                                 "a drafter that learns from outputs), so a repeat of a prompt is not the same work")
     baseline = SelfspecMethod(None)
     questions = list(questions)
     finished = _finished_turns(done or [], ["baseline", *runners])
@@ -327,26 +345,34 @@ def run(
                 # method always runs right after another one (allocator and cache state, a
                 # drafter's one-off costs) or first: such order effects cancel over the turns
                 names = ["baseline", *runners]
-                shift = rotation % len(names)
-                rotation += 1
-                outs, peaks = {}, {}
-                for name in names[shift:] + names[:shift]:
-                    runner = baseline if name == "baseline" else runners[name]
-                    extra = {} if name == "baseline" else dict(tools=q.meta.get("tools"))
-                    with PeakMemory(device) as mem:
-                        outs[name] = runner(model, ids, **gen, **extra, **limit())
-                    peaks[name] = mem.peak_mib
+                runs: dict[str, list[RunResult]] = {name: [] for name in names}
+                peaks = dict.fromkeys(names, 0.0)
+                for _ in range(repeats):
+                    shift = rotation % len(names)
+                    rotation += 1
+                    for name in names[shift:] + names[:shift]:
+                        runner = baseline if name == "baseline" else runners[name]
+                        extra = {} if name == "baseline" else dict(tools=q.meta.get("tools"))
+                        with PeakMemory(device) as mem:
+                            runs[name].append(runner(model, ids, **gen, **extra, **limit()))
+                        peaks[name] = max(peaks[name], mem.peak_mib)
+                outs = {name: _median_run(r) for name, r in runs.items()}
                 base = outs["baseline"]
                 reply = tokenizer.decode(base.sequences[0, ids.shape[1]:], skip_special_tokens=True)
                 turn_records = [_record(q, turn, "baseline", ids, base, True, peaks["baseline"], reply)]
                 for name, runner in runners.items():
                     out = outs[name]
-                    same = torch.equal(out.sequences.cpu(), base.sequences.cpu())
+                    # greedy: identical only if every repeat was (the first one that was not is diagnosed)
+                    differ = [r for r in runs[name] if not torch.equal(r.sequences.cpu(), base.sequences.cpu())]
+                    same = not differ if temperature == 0 else torch.equal(out.sequences.cpu(), base.sequences.cpu())
                     rec = _record(q, turn, name, ids, out, same, peaks[name])
                     if not same and temperature == 0 and not isinstance(runner, OnModel):
-                        why = divergence(model, base.sequences, out.sequences, ids.shape[1])
+                        why = divergence(model, base.sequences, differ[0].sequences, ids.shape[1])
                         rec.divergence = None if why is None else asdict(why) | {"explained": why.explained}
                     turn_records.append(rec)
+                if repeats > 1:
+                    for rec in turn_records:
+                        rec.repeat_s_per_token = [_s_per_token(r) for r in runs[rec.method]]
                 records += turn_records
                 if on_turn is not None:
                     on_turn(turn_records)
@@ -354,6 +380,16 @@ def run(
             bar.update(1)
     bar.close()
     return records
+
+
+def _s_per_token(out: RunResult) -> float:
+    """Seconds per output token after the first step (what :func:`_rate` pools)."""
+    return (out.wall_time_s - out.ttft_s) / max(1, out.new_tokens - out.first_tokens)
+
+
+def _median_run(runs: list[RunResult]) -> RunResult:
+    """The run with the median seconds per token (the lower middle one of an even count)."""
+    return sorted(runs, key=_s_per_token)[(len(runs) - 1) // 2]
 
 
 def _finished_turns(done: list[Record], methods: list[str]) -> dict[tuple[str, int], str]:
