@@ -53,6 +53,7 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", nargs="+", default=["ngram"], help="method specs (see above)")
     ap.add_argument("--limit", type=int, default=None, help="questions per file")
     ap.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
+    ap.add_argument("--categories", nargs="+", default=None, help="only these categories (after --per-category)")
     ap.add_argument("--first-turn-only", action="store_true")
     ap.add_argument("--max-turns", type=int, default=None, help="first N user turns of each conversation")
     ap.add_argument("--by-turn", action="store_true", help="also summarise per turn (turn 1 = cold caches)")
@@ -93,11 +94,15 @@ def main(argv=None) -> None:
             qs = [q for q in qs if q.question_id not in distilled]
         if args.per_category:
             qs = take_per_category(qs, args.per_category)
+        if args.categories:
+            qs = [q for q in qs if q.category in args.categories]
         qs = qs[: args.limit]
         if args.first_turn_only or args.max_turns:
             keep = 1 if args.first_turn_only else args.max_turns
             qs = [q.__class__(q.question_id, q.category, q.turns[:keep], q.system, q.meta) for q in qs]
         questions += qs
+    if not questions:
+        ap.error("no questions left to run (check --categories / --limit)")
     others: dict[str, object] = {}  # dtype -> another copy of the target, for `spec%dtype` methods
 
     def method(spec: str):
