@@ -345,3 +345,28 @@ def test_results_name_the_cpu_and_its_speed_flags():
     assert "avx512_bf16" in cpu_label(c) and "AMD EPYC" in cpu_label(c)
     assert cpu_identity("")["flags"] == []
     assert "cpu" in benchmark.provenance()
+
+
+def test_compare_warms_up_each_union_member_before_timing(monkeypatch):
+    """``compare`` (the demo's timing) drafts with each member of a union, every step, before the
+    union's own warm-up and the timed runs: first-call costs were recorded as a slow arm by the
+    union, which then preferred plain steps for the rest of a short generation."""
+    from selfspec.drafters import build_drafter
+    from selfspec.measurement import measure
+
+    tok = tiny_tokenizer(128)
+    model = tiny_model("llama", vocab=len(tok))
+    union = build_drafter(model, "union", members=[build_drafter(model, "ngram"), build_drafter(model, "ngram", min_ngram=1)])
+    seen = []
+    real = measure.generate
+
+    def watched(model, ids, drafter=None, **kw):
+        seen.append((drafter, kw.get("adaptive", True), kw.get("max_new_tokens")))
+        return real(model, ids, drafter=drafter, **kw)
+
+    monkeypatch.setattr(measure, "generate", watched)
+    measure.compare(model, torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]]), union, max_new_tokens=6)
+    assert seen[0][0] is None  # plain warm-up
+    assert [(d, a) for d, a, _ in seen[1:3]] == [(m, False) for m in union.members]  # each member, drafting every step
+    assert seen[3][0] is union and seen[3][2] == 4  # then the union's own warm-up, then the timed runs
+    assert [d for d, _, n in seen[4:]] == [None, union] and all(n == 6 for _, _, n in seen[4:])

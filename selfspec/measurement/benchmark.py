@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from ..chat import encode_chat
 from ..drafters.base import Drafter
 from ..engine import generate
-from .measure import divergence
+from .measure import divergence, warm_up_drafting
 from .workloads import Question
 
 
@@ -113,12 +113,7 @@ class SelfspecMethod:
         a union's (it learns across calls): its members are warmed up one by one instead.
         Drafters that learn from past outputs (``suffix``) see the warm-up's 8 tokens, as they saw
         the adaptive warm-up's."""
-        if self.drafter is None:
-            return
-        for drafter in getattr(self.drafter, "members", None) or [self.drafter]:
-            if not drafter.self_paced:
-                generate(model, ids, drafter=drafter, max_new_tokens=8, temperature=temperature, seed=seed,
-                         adaptive=False)
+        warm_up_drafting(model, ids, self.drafter, temperature=temperature, seed=seed)
 
     def __call__(self, model, ids, *, max_new_tokens: int, temperature: float, seed: int, tools=None,
                  constraint=None) -> RunResult:
