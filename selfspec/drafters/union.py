@@ -50,6 +50,14 @@ luck. An arm whose estimate is under half the best is probed only every ``16 * p
 (a probe costs most there; never probing it would freeze an estimate one unlucky step made).
 A simpler arm within 5% of the fastest estimate is preferred to it (estimates are noisy, and the
 luckiest arm would otherwise be chosen: a merge must be clearly faster than a member alone).
+A member's tokens per step carry one pseudo-step at what the *value model* below expects of its
+latest tree under that key (one plus the sum of its nodes' acceptance probabilities), and an arm
+whose tokens rest on fewer than ``min_samples`` steps, and whose model says it could still be the
+best, is due every ``probe_every // 4`` steps instead of ``probe_every``, and never waits longer
+after a losing probe. Accepted lengths vary from 1 to 5 step to step: on the demo's prompt a good
+head's first step accepted nothing, its arm was priced below plain steps on that one step and was
+not tried again for 32 steps, a quarter of the generation. The model pools every tested node over
+all keys, so a member that is never right is not explored again under each new key.
 So in every state the union runs what its best member
 with its own policy would run there (that member, or plain steps), up to the probes. Members not
 asked in a step are told to ``skip`` it (so feature-reading drafters stay in sync). Which arm
@@ -59,7 +67,8 @@ every step stays exact.
 A member that skipped steps first catches up on them (:meth:`~selfspec.drafters.base.Drafter.sync`:
 an EAGLE-3 head runs its layer over every position it skipped), which is timed apart from its
 drafting: it is charged per position synced, for as many positions as the step emitted, which is
-what the member syncs in a step of its own. Charged whole, a probe after a long stretch of other
+what the member syncs in a step of its own (a generation's first call, which runs the head over
+the whole prompt, included). Charged whole, a probe after a long stretch of other
 arms' steps paid for that whole stretch (a head that paid alone, 1.2x over plain steps, was
 measured slower than plain steps inside the union), so the longer a member was left out, the worse
 it looked, and the less it was probed.
@@ -130,6 +139,8 @@ class UnionDrafter(Drafter):
         self.hits: dict[tuple[int, int, int], float] = {}  # (member, depth, rank) -> decayed hits
         self.tests: dict[tuple[int, int, int], float] = {}
         self._sources: list[list[tuple[int, int, int]]] = []  # union node -> its (member, depth, rank)s
+        # (member, its context key) -> its latest tree there, as (parent index, depth, rank) per node
+        self.shapes: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         # arms: plain (no member), each member alone, then all merged (tuples of member indices)
         self.arms: list[tuple[int, ...]] = [()] + [(i,) for i in range(len(members))]
         if len(members) > 1:
@@ -250,17 +261,23 @@ class UnionDrafter(Drafter):
             # per its own key, the merge per state (unmeasured first, then the longest due)
             for a in range(len(self.arms)):  # keys seen for the first time: an arm whose borrowed
                 if a != best and not measured[a] and keys[a] not in self.probe_wait:  # estimate loses
-                    wait = self._next_wait(guess, a, self.probe_every)  # clearly waits from now on, as if
+                    wait = self._next_wait(guess, a, self.probe_every, self._samples(a, state))  # clearly waits from now on, as if
                     if wait > self.probe_every:  # just probed (else each new state's merge is due at once)
                         self.probe_wait[keys[a]], self.last_probe[keys[a]] = wait, self.steps
             # (where the arm's estimate is under half the best only every max_probe_wait steps: a
             # probe there costs the most, but never probing it would freeze an estimate that one
             # unlucky step made)
-            due = [] if self.steps < self.last_probe.get(None, 0) + self.probe_every else [
-                a for a in range(len(self.arms)) if a != best and self.steps >= self.last_probe.get(keys[a], 0) + (
-                    self.probe_wait.get(keys[a], self.probe_every) if (guess[a] or 0.0) >= 0.5 * (guess[best] or 0.0)
-                    else self.max_probe_wait)]
-            due.sort(key=lambda a: (measured[a], self.last_probe.get(keys[a], 0)))
+            # An arm whose tokens per step rest on fewer than min_samples steps is due every
+            # probe_every // 4 steps (and may follow another probe that soon) until they do
+            few = [self._samples(a, state) < self.min_samples and (self._model_estimate(a, state) or 0.0) > (
+                guess[best] or 0.0) for a in range(len(self.arms))]
+            quick = max(1, self.probe_every // 4)
+            due = [a for a in range(len(self.arms)) if a != best
+                   and self.steps >= self.last_probe.get(None, 0) + (quick if few[a] else self.probe_every)
+                   and self.steps >= self.last_probe.get(keys[a], 0) + (
+                       quick if few[a] else self.probe_wait.get(keys[a], self.probe_every)
+                       if (guess[a] or 0.0) >= 0.5 * (guess[best] or 0.0) else self.max_probe_wait)]
+            due.sort(key=lambda a: (not few[a], measured[a], self.last_probe.get(keys[a], 0)))
             arm, probe = (due[0], True) if due else (best, False)
             if probe:
                 self.last_probe[keys[arm]] = self.last_probe[None] = self.steps
@@ -277,12 +294,13 @@ class UnionDrafter(Drafter):
         rest = seconds - sum(sync + took for _, sync, _, took, cold in self._calls if cold)
         charged = rest
         for m, sync, positions, took, cold in self._calls:
+            synced = sync * min(1.0, tokens / max(1, positions))  # catch-up: per position, as below
             if cold:  # one-off costs: at most the rest of the step (a first call whose step is
-                cost = min(sync + took, rest)  # never timed, e.g. the last of a generation, leaves
+                cost = min(synced + took, rest)  # never timed, e.g. the last of a generation, leaves
                 charged += cost  # the member's next call counted as a first call)
                 self.draft_seconds[m], self.warm[m] = [cost, 1.0], True
             else:
-                cost = took + sync * min(1.0, tokens / max(1, positions))
+                cost = took + synced
                 charged -= sync + took - cost
                 old, d = self.draft_seconds[m] or [0.0, 0.0], self.rate_decay
                 self.draft_seconds[m] = [d * old[0] + cost, d * old[1] + 1.0]
@@ -296,11 +314,21 @@ class UnionDrafter(Drafter):
         probes), else ``probe_every``."""
         best = max((r or 0.0) for a, r in enumerate(guess) if a != arm)
         rate = guess[arm] or 0.0
+        if samples < self.min_samples:
+            return self.probe_every
         if rate < 0.5 * best:
             return self.max_probe_wait
-        if rate < (1 - self.probe_margin) * best and samples >= self.min_samples:
+        if rate < (1 - self.probe_margin) * best:
             return min(self.max_probe_wait, 2 * wait)
         return self.probe_every
+
+    def _samples(self, arm: int, state: tuple[int, ...]) -> float:
+        """Steps (decayed count) behind ``arm``'s token estimate in ``state``: its own and paired
+        steps under its members' keys (a merge: its own steps in the state); plain steps need none."""
+        if arm == 0:
+            return float("inf")
+        sums = self.second_sums if len(self.arms[arm]) > 1 else self.token_sums
+        return (sums.get((arm, self.arm_key(arm, state))) or [0.0, 0.0])[1]
 
     def _best(self, guess: list[float | None]) -> int:
         """The arm to run: the fastest estimate, unless a simpler arm (fewer members: plain, then
@@ -329,12 +357,10 @@ class UnionDrafter(Drafter):
         accepts what the merge accepts, the merge's extra drafting and verify cost decide, as they
         should. Seconds per step come from the arm's own steps only (over all states while it has
         none under this key): a step's cost varies far less than its accepted length."""
-        key = (arm, self.arm_key(arm, state))
-        tokens = self.token_sums.get(key)
-        seconds = self.second_sums.get(key) or self.pooled_seconds[arm] or self._modeled_seconds(arm, state)
-        if seconds is None or seconds[0] <= 0:
+        seconds = self._step_seconds(arm, state)
+        if seconds is None:
             return None
-        per_step = None if tokens is None or tokens[1] <= 0 else tokens[0] / tokens[1]
+        per_step = self._tokens_per_step(arm, state)
         if arm == 0:
             per_step = 1.0  # a plain step emits one token
         if len(self.arms[arm]) > 1:  # the merge: its paired gain over its best member alone
@@ -343,9 +369,58 @@ class UnionDrafter(Drafter):
             if members:
                 m = max(members)[1]
                 ratio = self.paired[(state, m)]
-                own = self.token_sums.get((1 + m, self.arm_key(1 + m, state)))
-                per_step = ratio[0] / ratio[1] * own[0] / own[1]
-        return None if per_step is None else per_step / (seconds[0] / seconds[1])
+                per_step = ratio[0] / ratio[1] * self._tokens_per_step(1 + m, state)
+        return None if per_step is None else per_step / seconds
+
+    def _step_seconds(self, arm: int, state: tuple[int, ...]) -> float | None:
+        """Seconds per step of ``arm``: its own steps under its members' keys, else over all
+        states, else modeled from merged steps (``None``: nothing to go by)."""
+        key = (arm, self.arm_key(arm, state))
+        seconds = self.second_sums.get(key) or self.pooled_seconds[arm] or self._modeled_seconds(arm, state)
+        return None if seconds is None or seconds[0] <= 0 else seconds[0] / seconds[1]
+
+    def _model_estimate(self, arm: int, state: tuple[int, ...]) -> float | None:
+        """Tokens/s of a member alone by its value model alone (:meth:`expected_tokens` over its
+        seconds per step); ``None`` for plain steps and the merge. While an arm's own tokens rest on
+        few steps, this says whether it could still be the best: the model pools every node the
+        member had tested, over all keys, so a member that is never right is not explored again in
+        each new key."""
+        if len(self.arms[arm]) != 1:
+            return None
+        m = self.arms[arm][0]
+        expected, seconds = self.expected_tokens(m, state[m]), self._step_seconds(arm, state)
+        return None if expected is None or seconds is None else expected / seconds
+
+    def _tokens_per_step(self, arm: int, state: tuple[int, ...]) -> float | None:
+        """Measured tokens per step of ``arm`` under its members' keys, with one pseudo-step at
+        what its value model expects (a member alone: see :meth:`expected_tokens`). Accepted
+        lengths vary from 1 to 5 step to step, and the first steps decide which arm runs next: one
+        unlucky step must not price a good head below plain steps (it then ran plain steps for
+        half of a short generation). The model itself learns from every tested node, so the
+        pseudo-step moves towards the measured rate as the counts grow; its weight is one step
+        against up to ``1 / (1 - rate_decay)`` measured ones."""
+        key = (arm, self.arm_key(arm, state))
+        tokens = self.token_sums.get(key)
+        if tokens is None or tokens[1] <= 0:
+            return None
+        prior = self.expected_tokens(self.arms[arm][0], state[self.arms[arm][0]]) if len(self.arms[arm]) == 1 else None
+        if prior is None:
+            return tokens[0] / tokens[1]
+        return (tokens[0] + prior) / (tokens[1] + 1.0)
+
+    def expected_tokens(self, member: int, key: int) -> float | None:
+        """Tokens a step of ``member`` alone is expected to emit under its context key ``key``,
+        by the value model: one plus the sum over its latest tree there of each node's acceptance
+        probability (the product of its path's measured rates; siblings are exclusive events, so
+        the sum is the expected accepted length). ``None`` before it drafted under that key."""
+        shape = self.shapes.get((member, key))
+        if shape is None:
+            return None
+        value, total = [1.0], 1.0
+        for parent, depth, rank in shape:
+            value.append(value[parent] * self.rate(member, depth, rank))
+            total += value[-1]
+        return total
 
     def _modeled_seconds(self, arm: int, state: tuple[int, ...]) -> list[float] | None:
         """``[seconds, 1]`` of one step of an arm that never ran: a merged step's seconds less the
@@ -408,11 +483,13 @@ class UnionDrafter(Drafter):
                 raise ValueError(f"{member.kind} drafted sampled children, which a union cannot merge")
             tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
             key, value, seen = {0: ()}, {0: 1.0}, {}
+            shape = self.shapes[(m, self._state[m])] = []
             for i in range(1, tree.num_nodes):
                 p = parents[i]
                 rank = seen.get(p, 0)
                 seen[p] = rank + 1
                 depth = len(key[p]) + 1
+                shape.append((p, depth, rank))
                 key[i] = key[p] + (tokens[i],)
                 value[i] = value[p] * self.rate(m, depth, rank)
                 entry = trie.setdefault(key[i], [0.0, []])
