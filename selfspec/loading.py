@@ -165,7 +165,7 @@ def resolve_dtype(dtype, device: str = "cpu") -> torch.dtype:
 
 
 def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str | None = None, device=None,
-                allow_download: bool = False, prepack: bool | None = None):
+                allow_download: bool = False, prepack: bool | None = None, packed_attention: bool | None = None):
     """Load a target model and its tokenizer.
 
     Args:
@@ -181,6 +181,10 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
             (:mod:`selfspec.prepack`): a bf16 tree pass then costs about one decode step. Default:
             wherever it is available (a bf16 model on a CPU with native bf16); ``True`` where it
             is not raises.
+        packed_attention: run tree passes of grouped-query models with the query heads packed
+            per key/value head, as transformers already does for one token
+            (:mod:`selfspec.attention`: no copies of the cache per layer). Default: on a CPU, where
+            it was measured; plain decoding runs transformers' own path either way.
 
     Returns:
         ``(model, tokenizer)`` with the model in eval mode.
@@ -214,4 +218,8 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
     model = model.to(device).eval()
     if available and prepack is not False:
         prepack_linears(model)
+    if packed_attention if packed_attention is not None else torch.device(device).type == "cpu":
+        from .attention import use_packed_attention
+
+        use_packed_attention(model)
     return model, tokenizer
