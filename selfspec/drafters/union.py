@@ -259,9 +259,10 @@ class UnionDrafter(Drafter):
             # at most one probe per probe_every steps; an arm is due after its own wait, counted
             # per (arm, its members' keys): plain steps are probed once for all states, a member
             # per its own key, the merge per state (unmeasured first, then the longest due)
+            samples = [self._samples(a, state) for a in range(len(self.arms))]
             for a in range(len(self.arms)):  # keys seen for the first time: an arm whose borrowed
                 if a != best and not measured[a] and keys[a] not in self.probe_wait:  # estimate loses
-                    wait = self._next_wait(guess, a, self.probe_every, self._samples(a, state))  # clearly waits from now on, as if
+                    wait = self._next_wait(guess, a, self.probe_every, samples[a])  # clearly waits from now on, as if
                     if wait > self.probe_every:  # just probed (else each new state's merge is due at once)
                         self.probe_wait[keys[a]], self.last_probe[keys[a]] = wait, self.steps
             # (where the arm's estimate is under half the best only every max_probe_wait steps: a
@@ -269,8 +270,8 @@ class UnionDrafter(Drafter):
             # unlucky step made)
             # An arm whose tokens per step rest on fewer than min_samples steps is due every
             # probe_every // 4 steps (and may follow another probe that soon) until they do
-            few = [self._samples(a, state) < self.min_samples and (self._model_estimate(a, state) or 0.0) > (
-                guess[best] or 0.0) for a in range(len(self.arms))]
+            few = [samples[a] < self.min_samples and (self._model_estimate(a, state) or 0.0) > (guess[best] or 0.0)
+                   for a in range(len(self.arms))]
             quick = max(1, self.probe_every // 4)
             due = [a for a in range(len(self.arms)) if a != best
                    and self.steps >= self.last_probe.get(None, 0) + (quick if few[a] else self.probe_every)
@@ -307,11 +308,11 @@ class UnionDrafter(Drafter):
         return charged
 
     def _next_wait(self, guess: list[float | None], arm: int, wait: int, samples: float = float("inf")) -> int:
-        """Steps until ``arm`` is probed again under the keys it was estimated for: the longest wait
-        when its estimate is under half the best other arm's, twice ``wait`` when it is more than
-        ``probe_margin`` below it (once ``min_samples`` of its own steps are measured: a drafter's
-        accepted length varies from 1 to 5 step to step, and one unlucky step must not halve its
-        probes), else ``probe_every``."""
+        """Steps until ``arm`` is probed again under the keys it was estimated for: ``probe_every``
+        while its estimate rests on fewer than ``min_samples`` steps (a drafter's accepted length
+        varies from 1 to 5 step to step, and one unlucky step must not lengthen its wait); then the
+        longest wait when its estimate is under half the best other arm's, twice ``wait`` when it
+        is more than ``probe_margin`` below it, else ``probe_every``."""
         best = max((r or 0.0) for a, r in enumerate(guess) if a != arm)
         rate = guess[arm] or 0.0
         if samples < self.min_samples:
