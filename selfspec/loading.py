@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -195,6 +196,11 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(dtype, device)
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not bf16_is_fast(device):
+        warnings.warn("bfloat16 asked for on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in "
+                      "/proc/cpuinfo): its matmuls are emulated and run slower than float32 here "
+                      "(docs/benchmarks.md, round 19); dtype='auto' picks float32 on such a CPU",
+                      RuntimeWarning, stacklevel=2)
     available = prepack_available(dtype, device)
     if prepack and not available:
         raise ValueError(f"prepack=True needs a bfloat16 model on a CPU with native bf16 matmuls and oneDNN; "

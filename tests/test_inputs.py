@@ -164,3 +164,27 @@ def test_caller_kept_adaptive_policy_is_used_and_carries_over():
     assert mine.plain_s is not None and drafter.adaptive_policy is None  # the caller's state, not the drafter's
     selfspec.generate(model, ids, drafter=drafter, max_new_tokens=4)
     assert isinstance(drafter.adaptive_policy, AdaptivePolicy) and drafter.adaptive_policy is not mine
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns(tmp_path, monkeypatch):
+    """bf16 asked for where it is emulated (an AVX2-only CPU) loads, but says it will be slow;
+    float32 and 'auto' (which resolves to float32 there) load silently."""
+    import warnings
+
+    from tiny_models import tiny_tokenizer
+
+    import selfspec.loading as loading
+
+    model = tiny_model("llama", vocab=64, dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    monkeypatch.setattr(loading, "bf16_is_fast", lambda device="cpu": False)
+    monkeypatch.setattr(loading, "_BF16_FASTER", {})
+    with pytest.warns(RuntimeWarning, match="without native bf16"):
+        slow, _ = selfspec.load_target(str(tmp_path), dtype="bfloat16")
+    assert slow.dtype == torch.bfloat16
+    for dtype in ("float32", "auto"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            fast, _ = selfspec.load_target(str(tmp_path), dtype=dtype)
+        assert fast.dtype == torch.float32
