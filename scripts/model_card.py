@@ -116,17 +116,21 @@ def _calibration_lines(extra: dict) -> list[str]:
     lines = []
     calib = extra.get("options_by_dtype", {})
     if calib:
-        lines += ["## Calibrated trees (this machine, `scripts/calibrate.py --dtype ...`)", ""]
+        lines += ["## Calibrated trees (`scripts/calibrate.py --dtype ...`, on the CPU named per tree)", ""]
+
+        def where(record: dict) -> str:  # the CPU a tree was measured on (older records: none)
+            return f" (on {record['cpu']})" if record.get("cpu") else ""
+
         for dtype, opts in calib.items():
-            lines.append(f"- {dtype}: {opts}")
             record = extra.get("calibration_by_dtype", {}).get(dtype, {})
+            lines.append(f"- {dtype}{where(record)}: {opts}")
             if "grid" in record:
                 lines.append("  measured speedup over plain decoding on held-out chat prompts: " + "; ".join(
                     f"{g['max_depth']}/{g['width']}/{g['max_nodes']} (depth/width/nodes) {v:.2f}x"
                     for g, v in zip(record["grid"], record["measured_speedup"])))
         for dtype, opts in extra.get("options_in_union_by_dtype", {}).items():
             record = extra.get("calibration_in_union_by_dtype", {}).get(dtype, {})
-            lines.append(f"- {dtype}, as a member of unions (`--within {record.get('within', '?')}`): {opts}")
+            lines.append(f"- {dtype}, as a member of unions (`--within {record.get('within', '?')}`){where(record)}: {opts}")
             if "grid" in record:
                 lines.append(f"  measured speedup of the union with `{record.get('within')}` over plain decoding: " + "; ".join(
                     f"{g['max_depth']}/{g['width']}/{g['max_nodes']} {v:.2f}x"
@@ -219,10 +223,11 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
                         alone.append((f"{title} [{dtype} target]" if dtype else title, row["speedup"]))
         if alone:
             low = min(v for _, v in alone)
-            verdict = ("pays on this machine" if low >= 1.0 else
-                       "does not pay on this machine yet (alone, below plain decoding where marked < 1.00x)"
+            verdict = ("pays on every workload measured" if low >= 1.0 else
+                       "does not pay yet (alone, below plain decoding where marked < 1.00x)"
                        if max(v for _, v in alone) < 1.0 else
-                       "pays on this machine on some workloads, not on all (alone, below plain decoding where < 1.00x)")
+                       "pays on some workloads, not on all (alone, below plain decoding where < 1.00x; each "
+                       "file's title names its dtype, and its CPU is in the file)")
             lines[4:4] = ["**Status**: this drafter " + verdict + ": " + "; ".join(
                 f"{t} {v:.2f}x" for t, v in alone) + " (tables below).", ""]
         lines += ["## Benchmarks", ""] + [results_section(Path(p)) for p in results]
