@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/python scripts/generate.py $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
