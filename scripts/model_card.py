@@ -130,8 +130,7 @@ def _calibration_lines(extra: dict) -> list[str]:
                     for g, v in zip(record["grid"], record["measured_speedup"])))
         for dtype, opts in extra.get("options_in_union_by_dtype", {}).items():
             record = extra.get("calibration_in_union_by_dtype", {}).get(dtype, {})
-            carried = f", calibrated for the {record['head']} head and carried over" if record.get("head") else ""
-            lines.append(f"- {dtype}, as a member of unions (`--within {record.get('within', '?')}`){where(record)}{carried}: {opts}")
+            lines.append(f"- {dtype}, as a member of unions (`--within {record.get('within', '?')}`){where(record)}: {opts}")
             if "grid" in record:
                 lines.append(f"  measured speedup of the union with `{record.get('within')}` over plain decoding: " + "; ".join(
                     f"{g['max_depth']}/{g['width']}/{g['max_nodes']} {v:.2f}x"
