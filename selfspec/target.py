@@ -164,6 +164,15 @@ class TreeTarget:
                 logits, hidden = out.logits[0], out.hidden_states[-1][0] if self.want_hidden else None
         return TreeOutput(logits, hidden if self.want_hidden else None, record.get()[0] if self.taps else None)
 
+    def fork(self) -> "TreeTarget":
+        """A new target on the same model whose cache is a copy of this one's (same committed
+        prefix); what either runs next leaves the other untouched."""
+        import copy
+
+        other = TreeTarget(self.model, want_hidden=self.want_hidden, taps=self.taps)
+        other.cache, other._prefix = copy.deepcopy(self.cache), self._prefix
+        return other
+
     def commit(self, path: list[int], prefix_len: int) -> None:
         """Keep the KV of the accepted ``path`` after the ``prefix_len`` committed slots."""
         keep_path(self.cache, prefix_len, path)

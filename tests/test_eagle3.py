@@ -582,6 +582,32 @@ def test_bf16_divergences_are_rounding_near_ties_and_fp32_is_identical():
     assert torch.equal(plain.sequences, spec.sequences)
 
 
+def test_divergence_diagnosis_replays_the_engine_schedules_and_flags_a_clear_margin():
+    """The diagnosis itself: in float64 every schedule it replays (one batched pass, the engine's
+    tree passes in chains of 1..16 nodes) reproduces the sequential logits, so its rounding gap is
+    ~0 (a chain off by one position would differ by whole logits); and, negative control, in
+    bfloat16 a token replaced where the plain pass's top-2 margin is clear is NOT explained."""
+    from selfspec.measurement.measure import divergence
+
+    model = tiny_model("llama", vocab=64, layers=4, dtype=torch.float64)
+    plain = selfspec.generate(model, PROMPT, max_new_tokens=20, eos_token_id=[]).sequences
+    n = PROMPT.shape[1]
+    for k in (0, 7, 19):
+        wrong = plain.clone()
+        wrong[0, n + k] = (wrong[0, n + k] + 1) % 64
+        why = divergence(model, plain, wrong, n)
+        assert why.position == k and why.rounding_gap < 1e-9, why
+
+    model = tiny_model("llama", vocab=64, layers=4, seed=1, dtype=torch.bfloat16)
+    plain = selfspec.generate(model, PROMPT, max_new_tokens=20, eos_token_id=[]).sequences
+    found = []
+    for k in range(0, 20, 3):
+        wrong = plain.clone()
+        wrong[0, n + k] = (wrong[0, n + k] + 1) % 64
+        found.append(divergence(model, plain, wrong, n))
+    clear = max(found, key=lambda w: w.margin)
+    assert clear.margin > 4 * max(clear.rounding_gap, clear.ulp) and not clear.explained, found
+
 def test_dtype_auto_and_names():
     from selfspec.loading import resolve_dtype
 

@@ -137,9 +137,13 @@ class Divergence:
     Attributes:
         position: index (in new tokens) of the first differing token.
         margin: the plain pass's top-1 minus top-2 logit there.
-        rounding_gap: the largest difference, over those two tokens, between the logits of one
-            batched pass over the sequence and of sequential one-token passes (how far the two
-            kernels' rounding moves these logits here).
+        rounding_gap: the largest difference, over those two tokens, between the sequential
+            one-token passes' logits and those of the other schedules a run may compute them by:
+            one batched pass over the sequence, and the engine's own tree passes
+            (:class:`~selfspec.target.TreeTarget`) over the generated tokens in chains of
+            :data:`CHAIN_SIZES` nodes (a verify pass has that many rows, and a kernel's blocking
+            rounds each row count its own way). How far this dtype's rounding moves these logits
+            here, on the kernels a speculative run uses.
         ulp: the spacing of the model dtype's numbers at the top logit's magnitude (a difference
             of one ulp is the smallest rounding can make).
         explained: ``margin <= 2 * max(rounding_gap, ulp)``: a near-tie the dtype's rounding can flip.
@@ -153,6 +157,32 @@ class Divergence:
     @property
     def explained(self) -> bool:
         return self.margin <= 2 * max(self.rounding_gap, self.ulp)
+
+
+CHAIN_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)  # verify-pass row counts the rounding gap is measured at
+
+
+@torch.no_grad()
+def _chained_logits(prefilled, seq: torch.Tensor, prompt_len: int, size: int) -> torch.Tensor:
+    """Logits ``[V]`` (float32) predicting ``seq[-1]`` (``seq``: ``[L]``, the plain output up to
+    that token) as a speculative run computes them: from ``prefilled``, a
+    :class:`~selfspec.target.TreeTarget` that prefilled ``seq[:prompt_len]`` (left untouched), the
+    generated tokens passed as chains of ``size`` nodes (every node accepted), the last chain
+    ending at the node that predicts ``seq[-1]``."""
+    from ..tree import TreeBuilder
+
+    target = prefilled.fork()
+    last, root = seq.shape[0] - 1, prompt_len - 1  # the node at index last - 1 predicts seq[last]
+    while True:
+        end = min(root + size, last)  # this chain: nodes root .. end - 1
+        builder, parent = TreeBuilder(int(seq[root])), 0
+        for i in range(root + 1, end):
+            parent = builder.add(parent, int(seq[i]))
+        out = target.forward_tree(builder.build())
+        if end == last:
+            return out.logits[-1].float()
+        target.commit(list(range(end - root)), target.prefix_len)
+        root = end
 
 
 @torch.no_grad()
@@ -179,6 +209,13 @@ def divergence(model, plain: torch.Tensor, spec: torch.Tensor, prompt_len: int) 
     top = sequential.topk(2)
     pair = top.indices
     gap = float((sequential[pair] - batched[pair]).abs().max())
+    from ..target import TreeTarget
+
+    prefilled = TreeTarget(model)
+    prefilled.prefill(a[:prompt_len])
+    for size in CHAIN_SIZES:
+        chained = _chained_logits(prefilled, a[:pos + 1], prompt_len, size)
+        gap = max(gap, float((sequential[pair] - chained[pair]).abs().max()))
     dtype = next(model.parameters()).dtype
     top1 = float(top.values[0].abs().clamp_min(torch.finfo(dtype).tiny))
     ulp = torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(torch.tensor(top1))).item()
