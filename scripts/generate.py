@@ -105,7 +105,7 @@ def main(argv=None) -> None:
         why = divergence(model, plain.sequences, spec.sequences, ids.shape[1])
         if why is not None:
             print(f"  first difference at new token {why.position}: plain top-2 logit margin {why.margin:.4f}, "
-                  f"batched-vs-sequential rounding {why.rounding_gap:.4f} here "
+                  f"rounding moves it by up to {why.rounding_gap:.4f} here (batched and tree passes) "
                   f"({'a near-tie the dtype rounding flips' if why.explained else 'NOT explained by rounding: a bug'})")
 
 
