@@ -4,15 +4,15 @@ Each member proposes a tree for the same root. Every member node gets a *value*:
 probability that verification accepts it, i.e. the product along its path of the member's measured
 acceptance rate at that (depth, sibling rank), where the rate of (member, depth d, rank r) is the
 share of steps in which the member's rank-r child of an accepted depth-(d-1) node was accepted
-(a decayed count with a Beta(1, 0.5) prior: a new union starts optimistic, at 2/3, verifies what
-its members propose and learns within a few steps). Nodes proposed by several
+(a count decayed over the steps that ask the member, with a Beta(1, 0.5) prior: a new union
+starts optimistic, at 2/3, verifies what its members propose and learns within a few steps). Nodes proposed by several
 members take the best value. The union keeps the highest-value nodes (ancestors first; a path
 value never exceeds its parent's) while the value is at least ``min_value`` and within
 ``max_nodes`` (default: the largest member's own node budget, e.g. its calibrated tree): weak
 nodes of one member no longer crowd out a strong member's draft, and nodes
 that would rarely be accepted are not verified at all, so the union does not pay for them. A
 member whose best depth-1 node is worth less than ``min_value`` is not even asked for its tree in
-a merged step (its counts decay, so it is asked again after a while).
+a merged step (its own arm's probes re-measure it).
 
 A merge still pays every member's drafting time and verify budget, so it can lose to one of its
 members alone (a weak member's heads cost milliseconds every step on a CPU), and a member can lose
@@ -102,10 +102,13 @@ class UnionDrafter(Drafter):
         members: the drafters (their sampled trees are asked for as point-mass trees).
         max_nodes: node budget of a merged tree (default: the largest member's).
         min_value: merged nodes whose estimated acceptance is below it are not verified.
-        decay: per-step decay of the acceptance counts.
+        decay: decay of a member's acceptance counts per step that asks it.
         probe_every: at most one step in this many probes an arm other than the best; each arm
             is due every this many steps (less often while it keeps losing, see above).
         rate_decay: per-step decay of an arm's token and second sums (its tokens/s is their ratio).
+        explore_budget: share of the recent decode time that probes may lose against the best
+            arm's estimate (their *regret*, catch-up included); past it, no probe runs until the
+            share decays back (see :meth:`_may_explore`).
         clock: seconds as a float (default ``time.perf_counter``; tests inject a step clock).
     """
 
@@ -113,7 +116,8 @@ class UnionDrafter(Drafter):
     self_paced = True  # picks plain steps itself, per context state (the plain arm)
 
     def __init__(self, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05,
-                 decay: float = 0.98, probe_every: int = 16, rate_decay: float = 0.9, clock=time.perf_counter):
+                 decay: float = 0.98, probe_every: int = 16, rate_decay: float = 0.9,
+                 explore_budget: float = 0.02, clock=time.perf_counter):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes is None:  # never verify more nodes than the largest member would on its own
@@ -125,6 +129,8 @@ class UnionDrafter(Drafter):
                              f"{min_value}, {decay}, {rate_decay}")
         if probe_every < 2:
             raise ValueError(f"probe_every must be >= 2, got {probe_every}")
+        if not 0.0 <= explore_budget <= 1.0:
+            raise ValueError(f"explore_budget must be in [0, 1], got {explore_budget}")
         super().__init__(members[0].signature)
         members = [m.with_options(sampled=False) if getattr(getattr(m, "cfg", None), "sampled", False) else m
                    for m in members]
@@ -170,6 +176,8 @@ class UnionDrafter(Drafter):
         self.probe_wait: dict[tuple, int] = {}  # (arm, its members' keys) -> steps between its probes
         self.last_probe: dict = {}  # (arm, keys) -> step of its last probe; None -> of the last probe
         self.steps = 0  # steps decided so far (over all generations)
+        # exploration's cost: decayed [regret seconds, seconds] over all steps (see `_explore`)
+        self.explore_budget, self.explore_decay, self.regret = explore_budget, 0.99, [0.0, 0.0]
         self._state: tuple[int, ...] = ()
         self._arm, self._pending, self._asked = len(self.arms) - 1, None, set()
 
@@ -226,9 +234,10 @@ class UnionDrafter(Drafter):
     def _choose_arm(self, ctx: DraftContext) -> int:
         """Close the timing of the previous step, then pick this step's arm."""
         if self._pending is not None:
-            state, arm, start, length, tokens, probe, empty = self._pending
+            state, arm, start, length, tokens, probe, empty, ref = self._pending
             now = self.clock()
             if ctx.tokens.shape[0] == length + tokens and now > start:  # nothing ran in between
+                self._explore(self._real_seconds(now - start), tokens, ref)
                 seconds = self._charge_calls(now - start, tokens)
                 self._record(arm, state, tokens, seconds)
                 if empty and arm != 0:  # an empty draft is a plain step: it measures the plain arm too
@@ -279,13 +288,42 @@ class UnionDrafter(Drafter):
                        quick if few[a] else self.probe_wait.get(keys[a], self.probe_every)
                        if (guess[a] or 0.0) >= 0.5 * (guess[best] or 0.0) else self.max_probe_wait)]
             due.sort(key=lambda a: (not few[a], measured[a], self.last_probe.get(keys[a], 0)))
+            if due and not self._may_explore():  # exploration has spent its share of the time
+                due = []
             arm, probe = (due[0], True) if due else (best, False)
             if probe:
                 self.last_probe[keys[arm]] = self.last_probe[None] = self.steps
-        self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe, False)
+        # an exploring step (a probe, a first trial) is priced against the best arm's estimate
+        ref = guess[best] if arm != best and guess[best] else None
+        self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe, False, ref)
         self._calls = []
         self.arm_steps[arm] += 1
         return arm
+
+    def _real_seconds(self, seconds: float) -> float:
+        """What the pending step really cost: its wall seconds, catch-up included, less the one-off
+        costs of members' first calls beyond the rest of the step (as :meth:`_charge_calls`)."""
+        rest = seconds - sum(sync + took for _, sync, _, took, cold in self._calls if cold)
+        return rest + sum(min(sync + took, rest) for _, sync, _, took, cold in self._calls if cold)
+
+    def _explore(self, seconds: float, tokens: int, ref: float | None) -> None:
+        """Account a closed step's time and, for an exploring step, its *regret*: its real seconds
+        less what the best arm (by the estimate it was chosen against, ``ref`` tokens/s) would have
+        taken for the same tokens. A probe's real cost includes its members' whole catch-up (an
+        EAGLE-3 layer over every position it skipped: the prompt, the first time in a generation),
+        which the arm's speed estimate deliberately spreads thin. Both sums decay per step; the
+        regret never goes below zero (a lucky probe pays back debt, it banks no credit)."""
+        d = self.explore_decay
+        regret = seconds - tokens / ref if ref else 0.0
+        self.regret = [max(0.0, d * self.regret[0] + regret), d * self.regret[1] + seconds]
+
+    def _may_explore(self) -> bool:
+        """Whether a probe may run now: exploration's recent regret is within ``explore_budget``
+        of the recent decode time. Probes are how estimates stay current, but where every other
+        arm is clearly worse (a head that is never right on copy-heavy text, in short generations
+        that pay its catch-up over the prompt at each probe), each one is pure cost: this bounds
+        that cost to about the budget's share of the time, whatever the probe schedule says."""
+        return self.regret[0] <= self.explore_budget * self.regret[1]
 
     def _charge_calls(self, seconds: float, tokens: int) -> float:
         """The seconds a step that emitted ``tokens`` is charged, and its members' drafting times
@@ -445,14 +483,18 @@ class UnionDrafter(Drafter):
     def _best_first(self, member: int) -> float:
         """The highest value a depth-1 node of ``member`` can get (its best measured rank there;
         the prior, 2/3, while none is measured). Deeper nodes are worth less, so below
-        ``min_value`` none of its nodes would be kept: asking it would only cost time. Counts decay,
-        so such a member is asked again after a while and re-measured."""
+        ``min_value`` none of its nodes would be kept: asking it would only cost time. Such a member
+        is re-measured by its own arm's probes (its counts decay only in steps that ask it)."""
         ranks = [r for (m, d, r) in self.tests if m == member and d == 1] or [0]
         return max(self.rate(member, 1, r) for r in ranks)
 
     def rate(self, member: int, depth: int, rank: int) -> float:
         """Measured acceptance of the member's rank-``rank`` child at ``depth`` (given its parent
-        was accepted), with a Beta(1, 0.5) prior."""
+        was accepted), with a Beta(1, 0.5) prior. The counts decay in the steps that ask the
+        member, not in others: they describe its latest drafts, however long ago. (Decayed per
+        step, a head that is never right on copy-heavy text drifted back to the prior during every
+        stretch of prompt-lookup steps, and the union then ran it again at each generation's start,
+        paying its catch-up over the prompt.)"""
         key = (member, depth, rank)
         return (self.hits.get(key, 0.0) + 1.0) / (self.tests.get(key, 0.0) + 1.5)
 
@@ -513,11 +555,12 @@ class UnionDrafter(Drafter):
         """Update each member's acceptance rates: every proposed node whose parent was accepted was
         tested; it was a hit if it is on the accepted path."""
         if self._pending is not None:
-            state, arm, start, length, _, probe, _ = self._pending
-            self._pending = (state, arm, start, length, verdict.num_accepted + 1, probe, tree.num_nodes == 1)
-        for key in self.tests:
-            self.tests[key] *= self.decay
-            self.hits[key] = self.hits.get(key, 0.0) * self.decay
+            state, arm, start, length, _, probe, _, ref = self._pending
+            self._pending = (state, arm, start, length, verdict.num_accepted + 1, probe, tree.num_nodes == 1, ref)
+        for key in self.tests:  # only the asked members' counts decay: see `rate`
+            if key[0] in self._asked:
+                self.tests[key] *= self.decay
+                self.hits[key] = self.hits.get(key, 0.0) * self.decay
         accepted = set(verdict.path)
         if len(self._asked) > 1 and self._pending is not None:  # a merged step: what each member
             state = self._pending[0]  # alone would have accepted on it (paired estimate, above)
