@@ -17,7 +17,9 @@ calibration prompts (GSM8K train + HumanEval from ../shared/data, never the benc
   with SPEC (a fresh union per entry), and the choice is stored as the tree the head uses inside
   unions (``extra.options_in_union_by_dtype``; ``eagle3+ngram`` loads it, ``eagle3`` alone keeps
   its own): a union spends one verify budget on both members' nodes, so its best member tree can
-  differ from the head's best tree alone.
+  differ from the head's best tree alone. It is the tree of the union's *merged* steps only
+  (``Drafter.for_merging``): where the union runs the head alone, the head drafts its own tree,
+  during calibration too.
 
 The choice and the measurements are written into the checkpoint (``drafter.json``) per target
 dtype (``--dtype``; bf16 and fp32 verify costs differ), so ``selfspec.load_drafter`` uses the tree
@@ -156,9 +158,10 @@ def main(argv=None) -> None:
         grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in ((4, 2, 6), (5, 3, 8), (6, 4, 12))]
         grid = [g | {"head_weights": weights} for g in grid if g["max_nodes"] <= args.max_nodes]
         def make(i):  # noqa: E306  (a fresh drafter, and a fresh union, per grid entry)
-            member = drafter.with_options(**grid[i])
             if args.within is None:
-                return member
+                return drafter.with_options(**grid[i])
+            # inside a union the entry is the tree of merged steps; the head alone keeps its own
+            member = drafter.for_merging(grid[i])
             return UnionDrafter([member, union_member(drafter_from_spec(model, args.within, args.target, tok))])
 
         def measure(keys, some):  # noqa: E306

@@ -304,12 +304,29 @@ def test_tree_calibrated_inside_unions_is_used_there_only(tmp_path):
     alone = load_drafter(tmp_path / "d", model)
     assert (alone.cfg.max_depth, alone.cfg.max_nodes) == (4, 6)
     union = drafter_from_spec(model, f"{tmp_path / 'd'}+ngram")
-    assert (union.members[0].cfg.max_depth, union.members[0].cfg.width, union.members[0].cfg.max_nodes) == (3, 1, 3)
-    assert union.members[0].checkpoint_meta is not None
+    head = union.members[0]  # merged steps draft the union tree; steps it drafts alone, its own
+    assert (head.merge_cfg.max_depth, head.merge_cfg.width, head.merge_cfg.max_nodes) == (3, 1, 3)
+    assert (head.cfg.max_depth, head.cfg.max_nodes) == (4, 6)
+    assert head.merge_cfg.sampled is False and head.cfg.sampled is False  # (a union merges point masses)
+    assert head.checkpoint_meta is not None
     built = build_drafter(model, "union", members=[alone, build_drafter(model, "ngram")])
-    assert built.members[0].cfg.max_nodes == 3
+    assert built.members[0].merge_cfg.max_nodes == 3 and built.members[0].cfg.max_nodes == 6
     explicit = drafter_from_spec(model, f"{tmp_path / 'd'}@max_nodes=5+ngram")  # on top of the union tree
-    assert (explicit.members[0].cfg.max_depth, explicit.members[0].cfg.max_nodes) == (3, 5)
+    assert (explicit.members[0].merge_cfg.max_depth, explicit.members[0].merge_cfg.max_nodes) == (3, 5)
+    assert (explicit.members[0].cfg.max_depth, explicit.members[0].cfg.max_nodes) == (4, 5)
+    # what each step drafts: the union tree when merged, the own tree alone (same cache, one head)
+    from dataclasses import replace
+
+    from selfspec.drafters.base import DraftContext
+
+    ids = PROMPT[0]
+    ctx = DraftContext(ids, None, 8, SamplingConfig(0.0), torch.Generator(),
+                       features=TreeTarget(model, taps=head.taps).prefill(ids).taps)
+    sizes = {}
+    for merged in (False, True):
+        sizes[merged] = head.propose(replace(ctx, merged=merged)).num_nodes - 1
+        ctx = replace(ctx, features=None)  # (shown once: the second call finds its cache current)
+    assert sizes == {False: 6, True: 3}, sizes
     assert drafter_from_spec(model, f"{tmp_path / 'd'}@max_nodes=5").cfg.max_depth == 4  # alone: its own tree
     out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=12)
     assert torch.equal(out.sequences, selfspec.generate(model, PROMPT, max_new_tokens=12).sequences)

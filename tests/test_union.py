@@ -69,6 +69,28 @@ def test_members_outside_the_chosen_arm_are_told_to_skip():
     assert seen["skip"] > 0 and seen["propose"] > 0 and out.stats.steps - 1 <= seen["skip"] + seen["propose"] <= out.stats.steps
 
 
+def test_members_are_told_whether_their_tree_is_merged():
+    """A member asked in a merged step gets ``ctx.merged`` (it may draft its tree for merged steps,
+    :meth:`Drafter.for_merging`); asked alone, it does not (it drafts its own tree)."""
+    cfg, prompt = SamplingConfig(0.0), torch.tensor([1, 2])
+    reference = decode(table_target(), prompt, None, cfg, torch.Generator(), 90, set(), 1000).sequences[0].tolist()
+    calls = []
+
+    class Recording(OracleDrafter):
+        def propose(self, ctx):
+            calls.append((union._arm, ctx.merged))
+            return super().propose(ctx)
+
+    union = UnionDrafter([Recording(reference, 6, depth=3, sibling=False),
+                          Recording(reference, 6, depth=4, sibling=False)], clock=step_clock())
+    out = decode(table_target(), prompt, union, cfg, torch.Generator(), 80, set(), 1000)
+    assert out.sequences[0].tolist() == reference[:82]
+    merge = len(union.arms) - 1
+    assert {merged for arm, merged in calls if arm == merge} == {True}
+    assert {merged for arm, merged in calls if arm != merge} == {False}
+    assert {arm for arm, _ in calls} >= {merge, 1}  # both kinds of step ran
+
+
 def test_arm_speeds_are_kept_per_context_state():
     """Each member is right in alternate stretches of the output, and says so through its
     ``context_key``: the union measures arms per state and prefers the member that pays there."""

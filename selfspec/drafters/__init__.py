@@ -177,7 +177,7 @@ def union_member(drafter: Drafter) -> Drafter:
     drafter object where options apply (the one passed in is left as it is)."""
     if drafter is None or not drafter.union_options:
         return drafter
-    member = drafter.with_options(**drafter.union_options)
+    member = drafter.for_merging(drafter.union_options)
     member.checkpoint_meta = getattr(drafter, "checkpoint_meta", None)
     return member
 

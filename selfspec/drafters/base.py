@@ -74,6 +74,9 @@ class DraftContext:
             the m committed positions ``len(tokens) - 1 - m .. len(tokens) - 2`` this drafter has
             not been shown yet (every committed position is shown exactly once, in order; ``None``
             when there is none).
+        merged: True when the caller (a union) merges this drafter's tree with other drafters'
+            trees under one node budget: a drafter given a tree for merged steps
+            (:meth:`Drafter.for_merging`) drafts that one, else its own.
     """
 
     tokens: torch.Tensor
@@ -84,6 +87,7 @@ class DraftContext:
     cache: Any = None
     features: torch.Tensor | None = None
     prompt_len: int = 0
+    merged: bool = False
 
     @property
     def root_token(self) -> int:
@@ -144,6 +148,15 @@ class Drafter(ABC):
 
     def __init__(self, signature: TargetSignature | None = None):
         self.signature = signature
+
+    def for_merging(self, options: dict) -> "Drafter":
+        """This drafter as a union member whose trees in *merged* steps (``ctx.merged``) use the
+        tree ``options`` (:attr:`union_options`: calibrated inside a union, where one node budget
+        is shared with other members). Default: :meth:`with_options` -- one tree for every step.
+        A drafter that can shape its tree per call overrides this and keeps its own tree for the
+        steps it drafts alone (a union's member-alone arm then runs what the drafter runs on its
+        own, as it should)."""
+        return self.with_options(**options)
 
     def check_target(self, model) -> None:
         """Raise ``ValueError`` when this drafter was built for another model."""

@@ -92,6 +92,7 @@ class Eagle3Drafter(Drafter):
     def __init__(self, model, cfg: Eagle3Config, head: Eagle3Head, signature: TargetSignature | None = None):
         super().__init__(signature or TargetSignature.of(model))
         self.model, self.cfg, self.head = model, cfg, head.eval()
+        self.merge_cfg: Eagle3Config | None = None  # the tree of a union's merged steps (for_merging)
         self.embed = model.get_input_embeddings()
         self.taps = tuple(cfg.taps)
         self._draft_ids = head.draft_ids if head.draft_ids.is_meta else head.draft_ids.to("cpu")
@@ -133,6 +134,16 @@ class Eagle3Drafter(Drafter):
             raise ValueError(f"unknown eagle3 drafter options {sorted(unknown)}")
         other = Eagle3Drafter(self.model, Eagle3Config(**(asdict(self.cfg) | options)), self.head, self.signature)
         other.checkpoint_meta = getattr(self, "checkpoint_meta", None)
+        if self.merge_cfg is not None:  # (e.g. sampled=False for a union: both trees)
+            other.merge_cfg = Eagle3Config(**(asdict(self.merge_cfg) | options))
+        return other
+
+    def for_merging(self, options: dict) -> "Eagle3Drafter":
+        """A drafter sharing this head that drafts its own tree when alone and the tree of
+        ``options`` in a union's merged steps (``ctx.merged``). ``head_weights`` is not a tree
+        option: given here, it applies to both trees (one head runs both)."""
+        other = self.with_options(**{k: v for k, v in options.items() if k == "head_weights"})
+        other.merge_cfg = self.with_options(**options).cfg
         return other
 
     # ------------------------------------------------------------------ drafting
@@ -184,9 +195,10 @@ class Eagle3Drafter(Drafter):
         root_out = self.catch_up(ctx.tokens, ctx.features)
         if root_out is None or ctx.max_depth < 1:
             return DraftTree.root_only(ctx.root_token)
-        sampled = self.cfg.sampled and not ctx.sampling.greedy
+        cfg = self.merge_cfg if ctx.merged and self.merge_cfg is not None else self.cfg
+        sampled = cfg.sampled and not ctx.sampling.greedy
         try:
-            return self._sampled_tree(ctx, root_out) if sampled else self._greedy_tree(ctx, root_out)
+            return self._sampled_tree(ctx, root_out, cfg) if sampled else self._greedy_tree(ctx, root_out, cfg)
         finally:  # drop the tree's keys: the cache holds committed pairs only
             self.k, self.v = self.k[:, : self.cached], self.v[:, : self.cached]
 
@@ -208,10 +220,10 @@ class Eagle3Drafter(Drafter):
         self.k, self.v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
         return out
 
-    def _greedy_tree(self, ctx: DraftContext, root_out: torch.Tensor) -> DraftTree:
+    def _greedy_tree(self, ctx: DraftContext, root_out: torch.Tensor, cfg: Eagle3Config) -> DraftTree:
         """EAGLE-2 with point-mass children: expand the best ``width`` candidates per level, keep
         the ``max_nodes`` best candidates overall by cumulative draft log-probability."""
-        cfg, head = self.cfg, self.run_head
+        head = self.run_head
         cap = min(cfg.max_depth, ctx.max_depth)
         min_lp = float(torch.tensor(cfg.min_score).log()) if cfg.min_score > 0 else -float("inf")
         parent, token, score = [-1], [-1], [0.0]  # candidates; 0 is the root; token = draft id
@@ -245,9 +257,9 @@ class Eagle3Drafter(Drafter):
             node[c] = builder.add(node[parent[c]], ids[c - 1])
         return builder.build()
 
-    def _sampled_tree(self, ctx: DraftContext, root_out: torch.Tensor) -> DraftTree:
+    def _sampled_tree(self, ctx: DraftContext, root_out: torch.Tensor, cfg: Eagle3Config) -> DraftTree:
         """Children drawn without replacement from q; the shape is fixed from q before any draw."""
-        cfg, head = self.cfg, self.run_head
+        head = self.run_head
         cap = min(cfg.max_depth, ctx.max_depth)
         vocab = self.signature.vocab_size
         builder = TreeBuilder(ctx.root_token)

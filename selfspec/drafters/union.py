@@ -87,6 +87,7 @@ which a merge would break; members that can sample are asked for point-mass tree
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -509,13 +510,15 @@ class UnionDrafter(Drafter):
                 member.skip(ctx)
         # candidate trie: key (union parent key, token) -> [value, sources]; the root's key is ()
         trie: dict[tuple, list] = {}
+        # members of a merge draft their tree for merged steps (Drafter.for_merging); alone, their own
+        mctx = replace(ctx, merged=True) if len(chosen) > 1 else ctx
         for m, member in enumerate(self.members):
             if m not in chosen:
                 continue
             t0 = self.clock()
             member.sync(ctx)  # catching up on skipped steps: timed apart (a cost of switching)
             t1 = self.clock()
-            proposal = Proposal.of(member.propose(ctx))
+            proposal = Proposal.of(member.propose(mctx))
             seen, self._seen[m] = self._seen[m], ctx.tokens.shape[0]
             positions = ctx.tokens.shape[0] - (seen or 0)
             self._calls.append((m, t1 - t0, positions, self.clock() - t1, not self.warm[m]))
