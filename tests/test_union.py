@@ -391,6 +391,21 @@ def test_a_members_slow_first_call_does_not_price_its_arms():
     assert timed < 0.6 * head, (head, union, timed)  # the negative control fails the bound
 
 
+def _stretch_lookup(clock, matching):
+    """A prompt-lookup-like drafter class: right (an oracle) where ``matching(ctx)``, with context
+    key 4 there, and drafting nothing (key 0) elsewhere; each call costs 0.005 s on ``clock``."""
+
+    class Lookup(OracleDrafter):
+        def context_key(self, ctx):
+            return 4 if matching(ctx) else 0
+
+        def propose(self, ctx):
+            clock.spend(0.005)
+            return super().propose(ctx) if matching(ctx) else DraftTree.root_only(ctx.root_token)
+
+    return Lookup
+
+
 def test_a_member_left_out_is_not_charged_for_catching_up_on_what_it_skipped():
     """A head with its own cache (syncing costs per position behind, as an EAGLE-3 layer's does)
     that pays a little alone, and a lookup that copies in alternate stretches of 40 tokens and
@@ -420,13 +435,7 @@ def test_a_member_left_out_is_not_charged_for_catching_up_on_what_it_skipped():
     def matching(ctx):
         return (ctx.tokens.shape[0] // period) % 2 == 0
 
-    class Lookup(OracleDrafter):
-        def context_key(self, ctx):
-            return 4 if matching(ctx) else 0
-
-        def propose(self, ctx):
-            clock.spend(0.005)
-            return super().propose(ctx) if matching(ctx) else DraftTree.root_only(ctx.root_token)
+    Lookup = _stretch_lookup(clock, matching)
 
     class Whole(UnionDrafter):  # the design before: a sync is charged whole to its step
         def _charge_calls(self, seconds, tokens):
@@ -551,13 +560,7 @@ def test_probes_stop_while_exploration_is_over_its_budget():
     def matching(ctx):
         return ((ctx.tokens.shape[0] + offset[0]) // 12) % 3 != 0
 
-    class Lookup(OracleDrafter):
-        def context_key(self, ctx):
-            return 4 if matching(ctx) else 0
-
-        def propose(self, ctx):
-            clock.spend(0.005)
-            return super().propose(ctx) if matching(ctx) else DraftTree.root_only(ctx.root_token)
+    Lookup = _stretch_lookup(clock, matching)
 
     class Counted(UnionDrafter):
         probes = 0

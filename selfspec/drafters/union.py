@@ -255,8 +255,8 @@ class UnionDrafter(Drafter):
             state, arm, start, length, tokens, probe, empty, ref = self._pending
             now = self.clock()
             if ctx.tokens.shape[0] == length + tokens and now > start:  # nothing ran in between
-                self._explore(self._real_seconds(now - start), tokens, ref)
-                seconds = self._charge_calls(now - start, tokens)
+                seconds, real = self._charge_calls(now - start, tokens)
+                self._explore(real, tokens, ref)
                 self._record(arm, state, tokens, seconds)
                 if empty and arm != 0:  # an empty draft is a plain step: it measures the plain arm too
                     self._record(0, state, tokens, seconds)
@@ -318,12 +318,6 @@ class UnionDrafter(Drafter):
         self.arm_steps[arm] += 1
         return arm
 
-    def _real_seconds(self, seconds: float) -> float:
-        """What the pending step really cost: its wall seconds, catch-up included, less the one-off
-        costs of members' first calls beyond the rest of the step (as :meth:`_charge_calls`)."""
-        rest = seconds - sum(sync + took for _, sync, _, took, cold in self._calls if cold)
-        return rest + sum(min(sync + took, rest) for _, sync, _, took, cold in self._calls if cold)
-
     def _explore(self, seconds: float, tokens: int, ref: float | None) -> None:
         """Account a closed step's time and, for an exploring step, its *regret*: its real seconds
         less what the best arm (by the estimate it was chosen against, ``ref`` tokens/s) would have
@@ -343,25 +337,28 @@ class UnionDrafter(Drafter):
         that cost to about the budget's share of the time, whatever the probe schedule says."""
         return self.regret[0] <= self.explore_budget * self.regret[1]
 
-    def _charge_calls(self, seconds: float, tokens: int) -> float:
+    def _charge_calls(self, seconds: float, tokens: int) -> tuple[float, float]:
         """The seconds a step that emitted ``tokens`` is charged, and its members' drafting times
         (see the module docstring): a member's ``sync`` over positions it skipped is charged per
         position, for as many positions as the step emitted (what it syncs in a step of its own);
-        a member's first call counts at most as much as the rest of the step."""
+        a member's first call counts at most as much as the rest of the step. Returns the charged
+        seconds and the step's *real* ones (catch-up whole, first calls capped alike: what an
+        exploring step cost, see :meth:`_explore`)."""
         rest = seconds - sum(sync + took for _, sync, _, took, cold in self._calls if cold)
-        charged = rest
+        charged = real = rest
         for m, sync, positions, took, cold in self._calls:
             synced = sync * min(1.0, tokens / max(1, positions))  # catch-up: per position, as below
             if cold:  # one-off costs: at most the rest of the step (a first call whose step is
                 cost = min(synced + took, rest)  # never timed, e.g. the last of a generation, leaves
                 charged += cost  # the member's next call counted as a first call)
+                real += min(sync + took, rest)
                 self.draft_seconds[m], self.warm[m] = [cost, 1.0], True
             else:
                 cost = took + synced
                 charged -= sync + took - cost
                 old, d = self.draft_seconds[m] or [0.0, 0.0], self.rate_decay
                 self.draft_seconds[m] = [d * old[0] + cost, d * old[1] + 1.0]
-        return charged
+        return charged, real
 
     def _next_wait(self, guess: list[float | None], arm: int, wait: int, samples: float = float("inf")) -> int:
         """Steps until ``arm`` is probed again under the keys it was estimated for: ``probe_every``
