@@ -397,6 +397,13 @@ def test_training_learns_and_resumes_exactly(tmp_path):
     again.train()
     for k, v in full.head.state_dict().items():
         torch.testing.assert_close(again.drafter.head.state_dict()[k].to(v.dtype), v, msg=k)
+    # the export reuses the loop's evaluation at the last step (same weights) instead of running
+    # it again; where the loop did not evaluate at this step (stopped at 6), it evaluates
+    fresh, calls = again.evaluate(), []
+    again.evaluate = lambda: calls.append(1) or fresh  # noqa: E731  (counts the calls)
+    assert again.final_metrics() == fresh and calls == []
+    part.evaluate = lambda: calls.append(1) or {}  # noqa: E731
+    assert part.final_metrics() == {} and calls == [1]
 
 
 def test_training_continues_from_a_trained_head(tmp_path):

@@ -181,6 +181,18 @@ class TrainingRun(ABC):
         """Write the run's summary (and the exported drafter); returns the summary."""
         return {"steps": self.step}
 
+    def final_metrics(self) -> dict:
+        """Held-out metrics of the weights as they are now (main process; ``{}`` elsewhere): the
+        loop's own evaluation at this step when it logged one (it always does at the last step),
+        else a fresh :meth:`evaluate`. The weights do not change between the two, so evaluating
+        again before the export only cost time (four minutes for an EAGLE-3 head here)."""
+        if not self.acc.is_main_process:
+            return {}
+        last = next((r for r in reversed(self.history) if "step" in r and any(k.startswith("eval/") for k in r)), None)
+        if last is not None and last["step"] == self.step:
+            return {k: v for k, v in last.items() if k != "step"}
+        return self.evaluate()
+
     def plot(self) -> None:
         """Draw the training curves into the run folder (main process)."""
 

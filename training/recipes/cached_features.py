@@ -289,7 +289,7 @@ class CachedFeatureRecipe(TrainingRun):
         """Held-out metrics, the kind's export choices (:meth:`finalize`), summary, plot, drafter."""
         from selfspec.drafters import save_drafter
 
-        metrics = self.evaluate() if self.acc.is_main_process else {}
+        metrics = self.final_metrics()
         train_positions = (int(label_counts(self.examples, 1, self.cfg.max_len, 1)[0]) if self.online
                            else len(self.train_set.positions))
         summary = {"steps": self.step, "train_positions": train_positions, "features": self.cfg.features,

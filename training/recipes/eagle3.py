@@ -338,7 +338,7 @@ class Eagle3Recipe(TrainingRun):
 
     # ---------------------------------------------------------------- export
     def export(self) -> dict:
-        metrics = self.evaluate() if self.acc.is_main_process else {}
+        metrics = self.final_metrics()
         summary = {"steps": self.step, "train_examples": len(self.train_set), "eval_examples": len(self.eval_set),
                    "eval_dropped_as_seen": self.eval_dropped,
                    "train_response_tokens": sum(len(e["response_ids"]) for e in self.train_set),

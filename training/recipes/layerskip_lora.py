@@ -147,7 +147,7 @@ class LoraSkipRecipe(TrainingRun):
 
         from selfspec.drafters import save_drafter
 
-        metrics = self.evaluate() if self.acc.is_main_process else {}
+        metrics = self.final_metrics()
         summary = {"steps": self.step, "train_examples": len(self.train_set), "eval_examples": len(self.eval_set),
                    "metrics": metrics}
         self.write_summary(summary)
