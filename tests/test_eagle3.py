@@ -109,6 +109,30 @@ def test_draft_cache_after_compaction_equals_a_fresh_recomputation():
 
 
 
+def test_catch_up_computes_the_last_output_only_and_the_same_one():
+    """A catch-up runs the query, attention and MLP of its last pair only; its output and the keys
+    and values of every pair equal the full call's (float64), over an empty and a filled cache."""
+    model = tiny_model("llama", layers=5)
+    head = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64), scale=0.5).head
+    g = torch.Generator().manual_seed(1)
+    h, n, s = model.config.hidden_size, 7, 5
+    embeds, feats = (torch.randn(n, h, generator=g, dtype=torch.float64) for _ in range(2))
+    for past in (0, s):
+        kv = head.midlayer.self_attn.kv_heads, past, head.midlayer.self_attn.head_dim
+        past_k, past_v = (torch.randn(kv, generator=g, dtype=torch.float64) if past else None for _ in range(2))
+        visible = torch.ones(n, past + n, dtype=torch.bool)
+        visible[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+        pos = torch.arange(past, past + n)
+        full = head.step(embeds, feats, pos, past_k, past_v, visible)
+        last = head.step(embeds, feats, pos, past_k, past_v, visible, last_only=True)
+        assert last[0].shape == (1, h)
+        torch.testing.assert_close(last[0], full[0][-1:], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(last[1], full[1], rtol=0, atol=0)
+        torch.testing.assert_close(last[2], full[2], rtol=0, atol=0)
+        wrong = head.step(embeds, feats, pos, past_k, past_v, visible.roll(1, 0), last_only=True)
+        assert not torch.allclose(wrong[0], full[0][-1:])  # negative control: another row's mask
+
+
 def test_skipped_steps_are_caught_up_at_the_next_proposal():
     """Inside a union the head is told to skip steps: their taps are kept and run in one call at the
     next proposal, which then drafts the same tree as a head that saw every step; the same when

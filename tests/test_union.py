@@ -531,7 +531,8 @@ def test_probes_stop_while_exploration_is_over_its_budget():
     lookup alone on every seed. Mechanism, with its control in the same harness: with no budget
     (0) probes stop after the first one that loses (its regret never decays to zero), with the
     whole time as budget (1) they run on the probe schedule alone (10-12 probes here); the default
-    (2%) runs fewer (4-8)."""
+    (2%) runs fewer (4-8). No probe runs in a generation's last steps, where fewer tokens are
+    left than the deepest draft (a probe there is cut short)."""
     from selfspec.adaptive import AdaptivePolicy
 
     clock = _Clock()
@@ -563,11 +564,13 @@ def test_probes_stop_while_exploration_is_over_its_budget():
     Lookup = _stretch_lookup(clock, matching)
 
     class Counted(UnionDrafter):
-        probes = 0
+        probes = late = short = 0
 
         def _choose_arm(self, ctx):
             arm = super()._choose_arm(ctx)
             self.probes += self._pending[5]
+            self.short += ctx.max_depth < self.deepest
+            self.late += self._pending[5] and ctx.max_depth < self.deepest
             return arm
 
     def members():
@@ -597,3 +600,5 @@ def test_probes_stop_while_exploration_is_over_its_budget():
         seconds(lavish, seed)
         assert stingy.probes <= 2 < lavish.probes and union.probes < lavish.probes, (
             seed, stingy.probes, union.probes, lavish.probes)
+        # no probe where fewer tokens are left than the deepest draft (each generation ends so)
+        assert union.late == lavish.late == 0 < lavish.short, (union.late, lavish.late, lavish.short)

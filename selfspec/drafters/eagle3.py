@@ -172,7 +172,8 @@ class Eagle3Drafter(Drafter):
         embeds = self.embed(tokens[lo + 1: committed + 1].to(dev)).to(dtype)
         visible = torch.ones(m, lo + m, dtype=torch.bool)
         visible[:, lo:] = torch.ones(m, m, dtype=torch.bool).tril()
-        out, k, v = head.step(embeds, feats, torch.arange(lo, committed, device=dev), self.k, self.v, visible)
+        out, k, v = head.step(embeds, feats, torch.arange(lo, committed, device=dev), self.k, self.v, visible,
+                              last_only=True)  # only the last pair's output is used
         self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
         self.cached = committed

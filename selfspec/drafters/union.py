@@ -98,7 +98,9 @@ generations where one member always wins (prompt lookup on copy-heavy text), pro
 schedule alone lost about a step per generation. Probes are therefore rationed: the *regret* of
 every exploring step (its real seconds less what the best arm's estimate would take for its
 tokens) is kept as a decayed sum, and no probe runs while it exceeds ``explore_budget`` (2%) of the
-decayed decode time (:meth:`UnionDrafter._may_explore`).
+decayed decode time (:meth:`UnionDrafter._may_explore`). Nor does a probe run when fewer tokens are
+left in the generation than the deepest draft a member made: its step would be cut short, cost as
+much, and price its arm by a truncated draft.
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class UnionDrafter(Drafter):
         self.steps = 0  # steps decided so far (over all generations)
         # exploration's cost: decayed [regret seconds, seconds] over all steps (see `_explore`)
         self.explore_budget, self.explore_decay, self.regret = explore_budget, 0.99, [0.0, 0.0]
+        self.deepest = 0  # the deepest node any member drafted (no probe runs with less room left)
         self._state: tuple[int, ...] = ()
         self._arm, self._pending, self._asked = len(self.arms) - 1, None, set()
 
@@ -308,6 +311,8 @@ class UnionDrafter(Drafter):
             due.sort(key=lambda a: (not few[a], measured[a], self.last_probe.get(keys[a], 0)))
             if due and not self._may_explore():  # exploration has spent its share of the time
                 due = []
+            if ctx.max_depth < self.deepest:  # near the end of a generation a probe is cut short:
+                due = []  # its step would price its arm by a truncated draft (and cost as much)
             arm, probe = (due[0], True) if due else (best, False)
             if probe:
                 self.last_probe[keys[arm]] = self.last_probe[None] = self.steps
@@ -550,6 +555,7 @@ class UnionDrafter(Drafter):
                 seen[p] = rank + 1
                 depth = len(key[p]) + 1
                 shape.append((p, depth, rank))
+                self.deepest = max(self.deepest, depth)
                 key[i] = key[p] + (tokens[i],)
                 value[i] = value[p] * self.rate(m, depth, rank)
                 entry = trie.setdefault(key[i], [0.0, []])
