@@ -11,8 +11,11 @@ calibration prompts (GSM8K train + HumanEval from ../shared/data, never the benc
 * EAGLE-3: depth, frontier width and node budget (chains and trees) with the best measured speedup,
   on held-out chat prompts (never the head's training prompts nor a benchmark set), with the head
   running in the weights ``--head-weights`` says (int8 where its kernel runs here; stored too).
-  Grid entries within 5% of the best on the first four prompts are measured again on four more,
-  and the best mean of the two estimates is kept (a tie on four prompts is within noise here).
+  The grid is raced (``raced_choice``): every entry still in is measured on four more prompts at
+  a time (each prompt runs every entry in turn), and an entry whose per-prompt speedups, paired
+  with the leader's on the same prompts, are lower with 97.5% confidence (Student t) is out, until
+  one is left or the prompts (at most ``--prompts``, 24 by default) run out; then the best
+  geometric mean left wins.
   With ``--within SPEC`` (e.g. ``ngram``) every grid entry is measured as a member of the union
   with SPEC (a fresh union per entry), and the choice is stored as the tree the head uses inside
   unions (``extra.options_in_union_by_dtype``; ``eagle3+ngram`` loads it, ``eagle3`` alone keeps
@@ -41,8 +44,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import selfspec  # noqa: E402
-from selfspec.measurement.calibration import (choose_tree, heads_accuracy, heads_draft_cost, measured_search,  # noqa: E402
-                                              refined_choice, verify_costs)
+from selfspec.measurement.calibration import (choose_tree, heads_accuracy, heads_draft_cost,  # noqa: E402
+                                              measured_search, measured_speedups, raced_choice, verify_costs)
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.checkpoint import CONFIG_FILE, atomic_write_text, read_checkpoint  # noqa: E402
 from selfspec.drafters import UnionDrafter, drafter_from_spec, load_drafter, union_member  # noqa: E402
@@ -90,7 +93,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
     ap.add_argument("--target", default=selfspec.DEFAULT_TARGET)
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="calibration prompts (default 8; eagle3: at most 24, raced in batches of 4)")
     ap.add_argument("--dtype", default="float32", help="target dtype the tree is calibrated for (float32, bfloat16)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--max-nodes", type=int, default=16, help="largest tree measured (root excluded)")
@@ -109,6 +113,8 @@ def main(argv=None) -> None:
     meta, _ = read_checkpoint(args.checkpoint)
     if args.within and drafter.kind != "eagle3":
         raise SystemExit(f"--within calibrates eagle3 heads inside a union, not {drafter.kind} drafters")
+    if args.prompts is None:
+        args.prompts = 24 if drafter.kind == "eagle3" else 8
     texts = calibration_prompts(SHARED, args.prompts)
     if drafter.kind == "eagle3":
         texts = heldout_chat_prompts(SHARED, args.prompts, training_prompts(meta))
@@ -165,15 +171,20 @@ def main(argv=None) -> None:
             return UnionDrafter([member, union_member(drafter_from_spec(model, args.within, args.target, tok))])
 
         def measure(keys, some):  # noqa: E306
-            return measured_search(model, make, some, keys)[1]
+            got = measured_speedups(model, make, some, keys)
+            print(f"  race: {len(some)} prompts, entries {keys}: "
+                  + ", ".join(f"{k}: {sum(v) / len(v):.3f}x" for k, v in got.items()), flush=True)
+            return got
 
-        chosen, speedups, second = refined_choice(measure, list(range(len(grid))), prompts, first=4)
+        chosen, speedups, rounds = raced_choice(measure, list(range(len(grid))), prompts, batch=4)
         for i, g in enumerate(grid):
-            again = f", then {second[i]:.3f}x on {len(prompts[4:8])} more prompts" if i in second else ""
-            print(f"  {g}: {speedups[i]:.3f}x{again}")
+            out = next((r["prompts"] for r in rounds if i not in r["left"]), None)
+            print(f"  {g}: {speedups[i]:.3f}x" + (f" over the {out} prompts it ran (then out)" if out
+                                                   else f" over {rounds[-1]['prompts']} prompts (left at the end)"))
+        print(f"race: {[(r['prompts'], r['left']) for r in rounds]}")
         drafter = drafter.with_options(**grid[chosen])
         record |= {"grid": grid, "measured_speedup": [speedups[i] for i in range(len(grid))], "chosen": grid[chosen],
-                   "remeasured_speedup": {str(i): second[i] for i in second}, "within": args.within}
+                   "race": rounds, "within": args.within}
         print(f"chosen {grid[chosen]}" + ("" if speedups[chosen] > 1.0 else " (nothing beat plain decoding here)"))
     else:
         raise SystemExit(f"no calibration for drafters of kind {drafter.kind!r}")

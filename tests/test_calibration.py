@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -222,28 +224,66 @@ def test_adaptive_policy_is_as_fast_as_the_better_of_speculating_and_plain(accep
         assert sum(noisy) / 3 < 0.9 * spec, (noisy, spec)
 
 
-def test_a_tie_on_the_first_prompts_is_measured_again_and_decided_by_both():
-    """Keys within 5% of the best on the first prompts are measured on the next ones; the best mean
-    wins. A clear winner is not measured again, nor is anything when no prompts are left."""
-    from selfspec.measurement.calibration import refined_choice
+def test_calibration_races_entries_until_the_best_is_clear():
+    """Entries are measured four prompts at a time; one clearly slower than the leader on the same
+    prompts (paired, two standard errors) is out after a batch, close ones run on until they
+    separate or the prompts run out, and the best geometric mean left wins."""
+    from selfspec.measurement.calibration import raced_choice
 
-    first = {"chain3": 1.36, "tree": 1.33, "deep": 1.20}
-    later = {"chain3": 1.25, "tree": 1.34}
+    g = torch.Generator().manual_seed(0)
+    prompt_effect = (torch.rand(24, generator=g) * 2.0 + 0.5).tolist()  # prompts differ a lot...
+    noise = {k: (torch.randn(24, generator=g) * 0.02).tolist() for k in ("chain3", "tree", "deep", "twin")}
+    true = {"chain3": 1.30, "tree": 1.36, "deep": 1.05, "twin": 1.36}
     calls = []
 
     def measure(keys, prompts):
         calls.append((list(keys), list(prompts)))
-        table = first if prompts == [0, 1, 2, 3] else later
-        return {k: table[k] for k in keys}
+        return {k: [true[k] * prompt_effect[p] * math.exp(noise[k][p]) for p in prompts] for k in keys}
 
-    chosen, one, two = refined_choice(measure, ["chain3", "tree", "deep"], list(range(8)), first=4)
-    assert chosen == "tree" and one == first and two == later
-    assert calls == [(["chain3", "tree", "deep"], [0, 1, 2, 3]), (["chain3", "tree"], [4, 5, 6, 7])]
-    calls.clear()
-    first["tree"] = 1.20  # a clear winner
-    assert refined_choice(measure, ["chain3", "tree", "deep"], list(range(8)), first=4)[0] == "chain3"
-    assert len(calls) == 1
-    calls.clear()
-    first["tree"] = 1.33  # a tie with nothing left to measure on
-    assert refined_choice(measure, ["chain3", "tree", "deep"], [0, 1, 2, 3], first=4) == ("chain3", first, {})
-    assert len(calls) == 1
+    chosen, speedups, rounds = raced_choice(measure, ["chain3", "tree", "deep"], list(range(24)))
+    assert chosen == "tree"
+    assert "deep" not in rounds[0]["left"]  # clearly slower: out after the first four prompts
+    assert rounds[-1]["left"] == ["tree"] and rounds[-1]["prompts"] < 24  # separated before the end
+    assert sum(len(k) * len(p) for k, p in calls) < 3 * 24  # far fewer runs than measuring everything
+    # a true tie never separates: both run on every prompt, and the better mean measured wins
+    chosen, speedups, rounds = raced_choice(measure, ["tree", "twin", "deep"], list(range(24)))
+    assert set(rounds[-1]["left"]) == {"tree", "twin"} and rounds[-1]["prompts"] == 24
+    assert chosen == max(["tree", "twin"], key=speedups.get)
+    # negative control, same harness: pairing is what separates them. With each entry's prompts in
+    # its own order (speedups paired with another prompt's), the race cannot tell 1.30 from 1.36
+    order = {k: torch.randperm(24, generator=torch.Generator().manual_seed(i)).tolist()
+             for i, k in enumerate(("chain3", "tree", "deep"))}
+
+    def unpaired(keys, prompts):
+        return {k: measure([k], [order[k][p] for p in prompts])[k] for k in keys}
+
+    rounds = raced_choice(unpaired, ["chain3", "tree", "deep"], list(range(24)))[2]
+    assert {"chain3", "tree"} <= set(rounds[-1]["left"]) and rounds[-1]["prompts"] == 24
+
+
+def test_race_uses_student_t_quantiles():
+    from scipy import stats
+
+    from selfspec.measurement.calibration import _T975, _clearly_worse
+
+    assert [round(float(stats.t.ppf(0.975, d)), 3) for d in range(1, 31)] == list(_T975)
+    # four paired differences of mean -1 and standard error 0.41: out at z = 2, not at t(3) = 3.18
+    diff = [-2.0, -1.0, 0.0, -1.0]
+    assert not _clearly_worse(diff, [0.0] * 4)
+    assert _clearly_worse(diff * 3, [0.0] * 12)  # the same spread over twelve prompts is clear
+
+
+def test_race_entries_are_interleaved_prompt_by_prompt(monkeypatch):
+    """Each prompt runs every entry in turn (order rotated per prompt), so a burst of machine load
+    falls on all entries of that prompt rather than on every prompt of one entry."""
+    import selfspec.measurement.measure as measure_mod
+    from selfspec.measurement.calibration import measured_speedups
+
+    calls = []
+    monkeypatch.setattr(measure_mod, "pooled_speedup", lambda runs: 1.0)
+    monkeypatch.setattr(measure_mod, "compare", lambda model, ids, drafter, **kw: calls.append((drafter, ids)))
+    made = []
+    out = measured_speedups(None, lambda k: made.append(k) or f"d{k}", [10, 11, 12], ["a", "b", "c"])
+    assert made == ["a", "b", "c"] and out == {k: [1.0, 1.0, 1.0] for k in "abc"}
+    assert calls == [("da", 10), ("db", 10), ("dc", 10), ("db", 11), ("dc", 11), ("da", 11),
+                     ("dc", 12), ("da", 12), ("db", 12)]

@@ -15,6 +15,7 @@ against plain decoding for a few node budgets (:func:`measured_search`).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -129,26 +130,76 @@ def heads_draft_cost(model, drafter, repeats: int = 20) -> float:
     return median_seconds(lambda: drafter.propose(ctx), repeats)
 
 
-def refined_choice(measure, keys: list, prompts: list, first: int = 4, tolerance: float = 0.05) -> tuple:
-    """Choose among ``keys`` by measured speedup, measuring longer where the first measurement ties.
+def raced_choice(measure, keys: list, prompts: list, batch: int = 4) -> tuple:
+    """Choose among ``keys`` by measured speedup, measuring until the best is clearly the best.
 
-    ``measure(keys, prompts)`` returns ``{key: speedup}`` over ``prompts``. All keys are measured on
-    ``prompts[:first]``; the keys within ``tolerance`` (relative) of the best are measured again on
-    ``prompts[first:2 * first]`` (when there are any), and the choice is the best mean of their two
-    estimates. A tie on four prompts is within this machine's noise (rounds 14 and 15 saw 2-3%
-    between a chain of 3 and a 4-deep tree flip between runs).
+    A race (successive elimination): every key still in it is measured on the next ``batch``
+    prompts (``measure(keys, prompts) -> {key: [speedup per prompt]}``); after each batch, a key
+    whose per-prompt log speedups, paired with the current leader's on the same prompts, are lower
+    on average with 95% confidence (one-sided Student t: ``mean + t * se < 0``, t for n - 1 degrees
+    of freedom, 2.35 after four prompts) is out. The race ends when one key is left or the prompts
+    run out; the choice is then the best geometric-mean speedup among those left. Pairing on the
+    same prompts removes what the prompts themselves change (how much text is copied, how long the
+    answer is); what is left is this machine's timing noise, which decides how many batches a close
+    race takes. (A single re-measurement of near ties picked three different trees in three
+    calibrations of round 22, union MAT 2.67-2.91 on MT-Bench.)
 
-    Returns ``(chosen key, first speedups, second speedups or {})``.
+    Returns ``(chosen key, {key: geometric-mean speedup over the prompts it ran}, rounds)``;
+    ``rounds`` lists per batch ``{"prompts": n so far, "left": keys still in after it}``.
     """
-    speedups = measure(keys, prompts[:first])
-    best = max(speedups, key=speedups.get)
-    finalists = [k for k in keys if speedups[k] >= (1.0 - tolerance) * speedups[best]]
-    rest = prompts[first: 2 * first]
-    if len(finalists) < 2 or not rest:
-        return best, speedups, {}
-    second = measure(finalists, rest)
-    chosen = max(finalists, key=lambda k: (speedups[k] + second[k]) / 2)
-    return chosen, speedups, second
+    logs: dict = {k: [] for k in keys}
+    left, rounds = list(keys), []
+    for start in range(0, len(prompts), batch):
+        got = measure(left, prompts[start:start + batch])
+        for k in left:
+            logs[k] += [math.log(v) for v in got[k]]
+        leader = max(left, key=lambda k: _mean(logs[k]))
+        left = [k for k in left if k == leader or not _clearly_worse(logs[k], logs[leader])]
+        rounds.append({"prompts": len(logs[leader]), "left": list(left)})
+        if len(left) == 1:
+            break
+    speedups = {k: math.exp(_mean(v)) for k, v in logs.items() if v}
+    return max(left, key=lambda k: speedups[k]), speedups, rounds
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+# one-sided 97.5% quantiles of Student's t for 1..30 degrees of freedom (1.960 in the limit)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060,
+         2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def _clearly_worse(a: list[float], b: list[float]) -> bool:
+    """Whether paired samples ``a`` are lower than ``b`` on average, one-sided at 95% (Student t)."""
+    diff = [x - y for x, y in zip(a, b)]
+    if len(diff) < 2:
+        return False
+    mean = _mean(diff)
+    var = sum((d - mean) ** 2 for d in diff) / (len(diff) - 1)
+    t = _T975[len(diff) - 2] if len(diff) - 1 <= len(_T975) else 1.960
+    return mean + t * math.sqrt(var / len(diff)) < 0
+
+
+def measured_speedups(model, make, prompts: list[torch.Tensor], keys: list,
+                      max_new_tokens: int = 64) -> dict:
+    """``{key: [speedup on each prompt]}``: ``make(key)`` builds each key's drafter once (used on
+    every prompt in turn); per prompt, every key runs in turn, in an order rotated from prompt to
+    prompt, and each run alternates plain and speculative decoding (see
+    :func:`selfspec.measure.compare`). Interleaved so: a burst of load on a shared machine lasts
+    seconds, and measured key by key it fell on every prompt of one key (round 23 saw one entry
+    at 1.25x on four prompts where it ran 1.53x in the race before)."""
+    from .measure import compare, pooled_speedup
+
+    drafters = {key: make(key) for key in keys}
+    out: dict = {key: [] for key in keys}
+    for i, ids in enumerate(prompts):
+        for key in keys[i % len(keys):] + keys[: i % len(keys)]:
+            run = compare(model, ids, drafters[key], max_new_tokens=max_new_tokens, adaptive=False)
+            out[key].append(pooled_speedup([run]))
+    return out
 
 
 def measured_search(model, make, prompts: list[torch.Tensor], budgets: list[int],
