@@ -136,10 +136,11 @@ def raced_choice(measure, keys: list, prompts: list, batch: int = 4) -> tuple:
     A race (successive elimination): every key still in it is measured on the next ``batch``
     prompts (``measure(keys, prompts) -> {key: [speedup per prompt]}``); after each batch, a key
     whose per-prompt log speedups, paired with the current leader's on the same prompts, are lower
-    on average with 95% confidence (one-sided Student t: ``mean + t * se < 0``, t for n - 1 degrees
-    of freedom, 2.35 after four prompts) is out. The race ends when one key is left or the prompts
-    run out; the choice is then the best geometric-mean speedup among those left. Pairing on the
-    same prompts removes what the prompts themselves change (how much text is copied, how long the
+    on average with 97.5% confidence (one-sided Student t: ``mean + t * se < 0``, t for n - 1
+    degrees of freedom: 3.18 after four prompts, 2.07 after 24; a race makes several comparisons
+    per batch over several batches, and four prompts say little about their spread) is out. The
+    race ends when one key is left or the prompts run out; the choice is then the best
+    geometric-mean speedup among those left. Pairing on the same prompts removes what the prompts themselves change (how much text is copied, how long the
     answer is); what is left is this machine's timing noise, which decides how many batches a close
     race takes. (A single re-measurement of near ties picked three different trees in three
     calibrations of round 22, union MAT 2.67-2.91 on MT-Bench.)
@@ -173,7 +174,7 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 
 
 def _clearly_worse(a: list[float], b: list[float]) -> bool:
-    """Whether paired samples ``a`` are lower than ``b`` on average, one-sided at 95% (Student t)."""
+    """Whether paired samples ``a`` are lower than ``b`` on average, one-sided at 97.5% (Student t)."""
     diff = [x - y for x, y in zip(a, b)]
     if len(diff) < 2:
         return False
