@@ -277,7 +277,7 @@ def decode(
         speculate = drafter is not None and budget > 1 and (policy is None or drafter.self_paced or policy.speculate())
         depth = policy.max_depth(budget - 1) if policy is not None else budget - 1
         ctx = DraftContext(tokens[:length], root_hidden, depth, cfg, gen, target.cache if share else None,
-                           features=features if speculate else None, prompt_len=ids.shape[0])
+                           features=features if speculate else None, prompt_len=ids.shape[0], room=budget - 1)
         proposal = _checked(Proposal.of(drafter.propose(ctx)), ctx) if speculate else None
         tree = proposal.tree if speculate else DraftTree.root_only(int(tokens[length - 1]))
         if speculate:

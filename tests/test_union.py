@@ -564,13 +564,14 @@ def test_probes_stop_while_exploration_is_over_its_budget():
     Lookup = _stretch_lookup(clock, matching)
 
     class Counted(UnionDrafter):
-        probes = late = short = 0
+        probes = late = short = capped = 0
 
         def _choose_arm(self, ctx):
             arm = super()._choose_arm(ctx)
             self.probes += self._pending[5]
-            self.short += ctx.max_depth < self.deepest
-            self.late += self._pending[5] and ctx.max_depth < self.deepest
+            self.short += ctx.room < self.deepest
+            self.late += self._pending[5] and ctx.room < self.deepest
+            self.capped += ctx.max_depth < self.deepest <= ctx.room
             return arm
 
     def members():
@@ -602,3 +603,41 @@ def test_probes_stop_while_exploration_is_over_its_budget():
             seed, stingy.probes, union.probes, lavish.probes)
         # no probe where fewer tokens are left than the deepest draft (each generation ends so)
         assert union.late == lavish.late == 0 < lavish.short, (union.late, lavish.late, lavish.short)
+
+
+def test_an_adaptive_depth_cap_does_not_stop_probes():
+    """The engine's adaptive policy may cap the draft depth (a depth accepted too rarely); the union
+    holds back probes only near a generation's end (``ctx.room``, the budget before that cap), so a
+    capped depth never freezes its estimates. Negative control, same harness: judged by the capped
+    depth instead (``room`` unknown), probes all but stop."""
+    from dataclasses import replace
+
+    from selfspec.adaptive import AdaptiveConfig, AdaptivePolicy
+
+    cfg, prompt = SamplingConfig(0.0), torch.tensor([1, 2])
+    reference = decode(table_target(), prompt, None, cfg, torch.Generator(), 200, set(), 1000).sequences[0].tolist()
+
+    class Counted(UnionDrafter):
+        probes = 0
+        hide_room = False
+
+        def _choose_arm(self, ctx):
+            arm = super()._choose_arm(replace(ctx, room=None) if self.hide_room else ctx)
+            self.probes += self._pending[5]
+            return arm
+
+    def run(hide_room):
+        # `good` misses every fifth token: every depth sees rejections, and the policy caps depth 1
+        good = OracleDrafter(reference, 6, depth=6, sibling=False,
+                             corrupt=lambda pos, tok: (tok + 1) % 6 if pos % 5 == 0 else tok)
+        bad = OracleDrafter(reference, 6, depth=6, sibling=False, corrupt=lambda pos, tok: (tok + 1) % 6)
+        union = Counted([good, bad], probe_every=4, explore_budget=1.0, clock=step_clock())
+        union.hide_room = hide_room
+        policy = AdaptivePolicy(AdaptiveConfig(min_depth_acceptance=1.0, min_depth_samples=1))  # caps at once
+        out = decode(table_target(), prompt, union, cfg, torch.Generator(), 160, set(), 1000, policy)
+        assert out.sequences[0].tolist() == reference[:162]
+        assert out.stats.steps > 60  # capped: mostly one draft token a step
+        return union.probes
+
+    capped, blind = run(False), run(True)
+    assert capped >= 4 and blind <= capped // 3, (capped, blind)

@@ -77,6 +77,8 @@ class DraftContext:
         merged: True when the caller (a union) merges this drafter's tree with other drafters'
             trees under one node budget: a drafter given a tree for merged steps
             (:meth:`Drafter.for_merging`) drafts that one, else its own.
+        room: tokens the engine could still use below the root this step (token and context
+            budget) before any adaptive depth cap; ``None``: unknown (then ``max_depth``).
     """
 
     tokens: torch.Tensor
@@ -88,6 +90,7 @@ class DraftContext:
     features: torch.Tensor | None = None
     prompt_len: int = 0
     merged: bool = False
+    room: int | None = None
 
     @property
     def root_token(self) -> int:

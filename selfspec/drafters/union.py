@@ -311,8 +311,9 @@ class UnionDrafter(Drafter):
             due.sort(key=lambda a: (not few[a], measured[a], self.last_probe.get(keys[a], 0)))
             if due and not self._may_explore():  # exploration has spent its share of the time
                 due = []
-            if ctx.max_depth < self.deepest:  # near the end of a generation a probe is cut short:
-                due = []  # its step would price its arm by a truncated draft (and cost as much)
+            room = ctx.max_depth if ctx.room is None else ctx.room  # (not the adaptive cap)
+            if room < self.deepest:  # near the end of a generation a probe is cut short: its
+                due = []  # step would price its arm by a truncated draft (and cost as much)
             arm, probe = (due[0], True) if due else (best, False)
             if probe:
                 self.last_probe[keys[arm]] = self.last_probe[None] = self.steps
