@@ -564,14 +564,13 @@ def test_probes_stop_while_exploration_is_over_its_budget():
     Lookup = _stretch_lookup(clock, matching)
 
     class Counted(UnionDrafter):
-        probes = late = short = capped = 0
+        probes = late = short = 0
 
         def _choose_arm(self, ctx):
             arm = super()._choose_arm(ctx)
             self.probes += self._pending[5]
             self.short += ctx.room < self.deepest
             self.late += self._pending[5] and ctx.room < self.deepest
-            self.capped += ctx.max_depth < self.deepest <= ctx.room
             return arm
 
     def members():

@@ -140,10 +140,11 @@ def raced_choice(measure, keys: list, prompts: list, batch: int = 4) -> tuple:
     degrees of freedom: 3.18 after four prompts, 2.07 after 24; a race makes several comparisons
     per batch over several batches, and four prompts say little about their spread) is out. The
     race ends when one key is left or the prompts run out; the choice is then the best
-    geometric-mean speedup among those left. Pairing on the same prompts removes what the prompts themselves change (how much text is copied, how long the
-    answer is); what is left is this machine's timing noise, which decides how many batches a close
-    race takes. (A single re-measurement of near ties picked three different trees in three
-    calibrations of round 22, union MAT 2.67-2.91 on MT-Bench.)
+    geometric-mean speedup among those left. Pairing on the same prompts removes what the prompts
+    themselves change (how much text is copied, how long the answer is); what is left is this
+    machine's timing noise, which decides how many batches a close race takes. (A single
+    re-measurement of near ties picked three different trees in three calibrations of round 22,
+    union MAT 2.67-2.91 on MT-Bench.)
 
     Returns ``(chosen key, {key: geometric-mean speedup over the prompts it ran}, rounds)``;
     ``rounds`` lists per batch ``{"prompts": n so far, "left": keys still in after it}``.
@@ -184,38 +185,41 @@ def _clearly_worse(a: list[float], b: list[float]) -> bool:
     return mean + t * math.sqrt(var / len(diff)) < 0
 
 
-def measured_speedups(model, make, prompts: list[torch.Tensor], keys: list,
-                      max_new_tokens: int = 64) -> dict:
-    """``{key: [speedup on each prompt]}``: ``make(key)`` builds each key's drafter once (used on
+def measured_runs(model, make, prompts: list[torch.Tensor], keys: list, max_new_tokens: int = 64) -> dict:
+    """``{key: [Comparison per prompt]}``: ``make(key)`` builds each key's drafter once (used on
     every prompt in turn); per prompt, every key runs in turn, in an order rotated from prompt to
     prompt, and each run alternates plain and speculative decoding (see
-    :func:`selfspec.measure.compare`). Interleaved so: a burst of load on a shared machine lasts
-    seconds, and measured key by key it fell on every prompt of one key (round 23 saw one entry
-    at 1.25x on four prompts where it ran 1.53x in the race before)."""
-    from .measure import compare, pooled_speedup
+    :func:`selfspec.measurement.measure.compare`). Interleaved so: a burst of load on a shared
+    machine lasts seconds, and measured key by key it fell on every prompt of one key (round 23
+    saw one entry at 1.25x on four prompts where it ran 1.53x in the race before)."""
+    from .measure import compare
 
     drafters = {key: make(key) for key in keys}
     out: dict = {key: [] for key in keys}
     for i, ids in enumerate(prompts):
         for key in keys[i % len(keys):] + keys[: i % len(keys)]:
-            run = compare(model, ids, drafters[key], max_new_tokens=max_new_tokens, adaptive=False)
-            out[key].append(pooled_speedup([run]))
+            out[key].append(compare(model, ids, drafters[key], max_new_tokens=max_new_tokens, adaptive=False))
     return out
+
+
+def measured_speedups(model, make, prompts: list[torch.Tensor], keys: list, max_new_tokens: int = 64) -> dict:
+    """``{key: [speedup on each prompt]}`` from :func:`measured_runs`."""
+    from .measure import pooled_speedup
+
+    runs = measured_runs(model, make, prompts, keys, max_new_tokens)
+    return {key: [pooled_speedup([run]) for run in runs[key]] for key in keys}
 
 
 def measured_search(model, make, prompts: list[torch.Tensor], budgets: list[int],
                     max_new_tokens: int = 64) -> tuple[int, dict[int, float]]:
-    """Pick the budget with the best measured speedup: ``make(b)`` builds the drafter for budget b,
-    then plain and speculative runs alternate on ``prompts`` (see :func:`selfspec.measure.compare`).
+    """Pick the budget with the best measured speedup over ``prompts`` (pooled; runs as in
+    :func:`measured_runs`, ``make(b)`` builds the drafter for budget b).
 
     Returns ``(best budget or 0 if nothing beats plain decoding, {budget: speedup})``.
     """
-    from .measure import compare, pooled_speedup
+    from .measure import pooled_speedup
 
-    speedups = {}
-    for b in budgets:
-        drafter = make(b)
-        speedups[b] = pooled_speedup([compare(model, ids, drafter, max_new_tokens=max_new_tokens, adaptive=False)
-                                      for ids in prompts])
+    runs = measured_runs(model, make, prompts, list(budgets), max_new_tokens)
+    speedups = {b: pooled_speedup(runs[b]) for b in budgets}
     best = max(speedups, key=speedups.get)
     return (best if speedups[best] > 1.0 else 0), speedups
