@@ -160,7 +160,7 @@ def main(argv=None) -> None:
         weights = args.head_weights
         if weights == "auto":
             weights = "int8" if drafter.with_options(head_weights="int8").run_head.lm_head.kernel else "native"
-        grid = [dict(max_depth=d, width=1, branch=1, max_nodes=d) for d in (3, 4, 5)]
+        grid = [dict(max_depth=d, width=1, branch=1, max_nodes=d) for d in (2, 3, 4, 5)]
         grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in ((4, 2, 6), (5, 3, 8), (6, 4, 12))]
         grid = [g | {"head_weights": weights} for g in grid if g["max_nodes"] <= args.max_nodes]
         def make(i):  # noqa: E306  (a fresh drafter, and a fresh union, per grid entry)

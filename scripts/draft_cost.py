@@ -3,8 +3,9 @@ of drafting (tree building in Python), and the verify pass, against a plain deco
 
     python scripts/draft_cost.py checkpoints/smollm2-135m-instruct-eagle3 --out docs/results/r16_draft_cost
 
-Loads the target in bfloat16 (prepacked, as ``load_target`` does by default) and the checkpoint as
-``load_drafter`` does (its tree and head weights for bf16), then generates on held-out chat prompts
+Loads the target in ``--dtype`` (default bfloat16, prepacked where the CPU has native bf16, as
+``load_target`` does by default) and the checkpoint as ``load_drafter`` does (its tree and head
+weights for that dtype), then generates on held-out chat prompts
 (never the head's training prompts nor a benchmark prompt), drafting at every step
 (``adaptive=False``), after one untimed warm-up generation. The head's calls are timed by wrapping
 them (``time.perf_counter`` around each call, so the split adds a few microseconds per call):
@@ -85,11 +86,12 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     prov = benchmark.provenance()
-    model, tok = selfspec.load_target(args.target, dtype="bfloat16")
+    model, tok = selfspec.load_target(args.target, dtype=args.dtype)
     drafter = load_drafter(args.checkpoint, model)
     if drafter.kind != "eagle3":
         raise SystemExit(f"draft_cost splits EAGLE-3 steps; {args.checkpoint} holds a {drafter.kind} drafter")
@@ -148,7 +150,7 @@ def main(argv=None) -> None:
     text = (f"`{command}`\n\nMedian milliseconds per speculative step ({args.rounds} x {args.prompts} generations of "
             f"{args.new_tokens} tokens on held-out chat prompts, drafting every step), EAGLE-3 tree "
             f"{cfg['max_depth']}/{cfg['width']}/{cfg['max_nodes']} (depth/width/nodes), head weights "
-            f"{cfg['head_weights']}, bf16 target, {torch.get_num_threads()} threads; mean accepted length "
+            f"{cfg['head_weights']}, {args.dtype} target, {torch.get_num_threads()} threads; mean accepted length "
             f"{mat:.2f}:\n\n| part | ms / step |\n|---|---|\n{rows}\n")
     print(text)
     write_result(args.out, {"command": command, "provenance": prov, "threads": torch.get_num_threads(),

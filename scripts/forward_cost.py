@@ -2,9 +2,10 @@
 
     python scripts/forward_cost.py --out docs/results/r8_forward_cost
 
-Loads the target three times in one process (float32; bfloat16 with ``nn.Linear``; bfloat16 with
-prepacked weights, :mod:`selfspec.prepack`) and measures, interleaved so load drifts hit all
-three alike, the median seconds of a decoder + LM head pass over n new tokens after a 256-token
+Loads the target once per setup in one process (float32 with ``nn.Linear``; float32 with skinny
+products for few rows, :mod:`selfspec.skinny_linear`; bfloat16 with ``nn.Linear``; bfloat16 with
+prepacked weights, :mod:`selfspec.prepack`, where the CPU has native bf16; ``--setups`` picks) and
+measures, interleaved so load drifts hit all alike, the median seconds of a decoder + LM head pass over n new tokens after a 256-token
 cache (``selfspec.measurement.calibration.verify_costs``): n = 1 is a plain decode step, larger n a
 verified draft tree. Writes <out>.json (command, provenance, costs) and <out>.md (a table).
 """
@@ -26,7 +27,8 @@ from selfspec.measurement.measure import write_result  # noqa: E402
 from selfspec.measurement.calibration import verify_costs  # noqa: E402
 
 SETUPS = {  # name -> load_target keyword arguments
-    "float32": dict(dtype="float32"),
+    "float32": dict(dtype="float32", skinny=False),
+    "float32 skinny": dict(dtype="float32", skinny=True),
     "bfloat16": dict(dtype="bfloat16", prepack=False),
     "bfloat16 prepacked": dict(dtype="bfloat16", prepack=True),
 }
@@ -47,11 +49,16 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default=selfspec.DEFAULT_TARGET)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best median per cell is kept")
+    ap.add_argument("--setups", nargs="+", choices=sorted(SETUPS), default=None,
+                    help="default: every setup that runs here (bf16 prepacked needs native bf16)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     prov = benchmark.provenance()
-    models = {name: selfspec.load_target(args.target, **kw)[0] for name, kw in SETUPS.items()}
+    from selfspec.prepack import prepack_available
+
+    names = args.setups or [n for n in SETUPS if n != "bfloat16 prepacked" or prepack_available(torch.bfloat16)]
+    models = {name: selfspec.load_target(args.target, **SETUPS[name])[0] for name in names}
     costs = {name: {n: float("inf") for n in args.sizes} for name in models}
     for _ in range(args.rounds):
         for name, model in models.items():

@@ -16,6 +16,8 @@ import weakref
 import torch
 from torch import nn
 
+from .skinny_linear import SkinnyLinear
+
 _CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
@@ -26,7 +28,7 @@ def lm_logits(model, hidden: torch.Tensor, head: nn.Module | None = None) -> tor
     if isinstance(head, nn.Linear):
         # (models split over devices; a float32 trainable head over a bf16 target's LM head)
         flat = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.device, head.weight.dtype)
-        if type(head) is nn.Linear:
+        if type(head) is nn.Linear or isinstance(head, SkinnyLinear):
             logits = (head.weight @ flat.T).T  # [N, V]: the fast layout for few rows
             if head.bias is not None:
                 logits = logits + head.bias

@@ -166,7 +166,8 @@ def resolve_dtype(dtype, device: str = "cpu") -> torch.dtype:
 
 
 def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str | None = None, device=None,
-                allow_download: bool = False, prepack: bool | None = None, packed_attention: bool | None = None):
+                allow_download: bool = False, prepack: bool | None = None, packed_attention: bool | None = None,
+                skinny: bool | None = None):
     """Load a target model and its tokenizer.
 
     Args:
@@ -186,6 +187,9 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
             per key/value head, as transformers already does for one token
             (:mod:`selfspec.attention`: no copies of the cache per layer). Default: on a CPU, where
             it was measured; plain decoding runs transformers' own path either way.
+        skinny: compute float32 products of 2-16 rows (tree passes) with the weight as the left
+            operand (:mod:`selfspec.skinny_linear`; one row, a plain step, is unchanged). Default:
+            for a float32 model on a CPU, where it was measured; ``True`` elsewhere raises.
 
     Returns:
         ``(model, tokenizer)`` with the model in eval mode.
@@ -205,6 +209,10 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
     if prepack and not available:
         raise ValueError(f"prepack=True needs a bfloat16 model on a CPU with native bf16 matmuls and oneDNN; "
                          f"got {str(dtype).removeprefix('torch.')} on {device}")
+    from .skinny_linear import skinny_available, use_skinny_linears
+
+    if skinny and not skinny_available(dtype, device):
+        raise ValueError(f"skinny=True needs a float32 model on a CPU; got {str(dtype).removeprefix('torch.')} on {device}")
     where, gguf_file = resolve(name_or_path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     if not allow_download:
@@ -224,6 +232,8 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
     model = model.to(device).eval()
     if available and prepack is not False:
         prepack_linears(model)
+    if skinny_available(dtype, device) and skinny is not False:
+        use_skinny_linears(model)
     if packed_attention if packed_attention is not None else torch.device(device).type == "cpu":
         from .attention import use_packed_attention
 

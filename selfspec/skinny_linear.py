@@ -1,0 +1,88 @@
+"""Float32 linear layers for a few rows on a CPU: ``(W @ x^T)^T`` instead of ``x @ W^T``.
+
+Why: a verify pass runs the target over a draft tree of 2-17 tokens, so every linear layer is a
+matrix product with 2-17 rows. On a CPU without native bf16 the target runs in float32, and there
+``nn.Linear`` (MKL's sgemm with the weight as the transposed right operand) handles a few rows
+far worse than one: measured on an AMD EPYC (Zen 3, AVX2 only, 2 threads, torch 2.13 with MKL
+2024.2), a SmolLM2-135M forward over 2 / 4 / 8 new tokens after 256 cached positions took
+134 / 137 / 150 ms against 82 ms for one token, although the weights, which dominate, are read
+once either way. The same product with the weight as the *left* operand, ``W @ x^T`` (a tall-skinny
+sgemm), took 95 / 93 / 128 ms, and oneDNN with prepacked float32 weights 116 / 120 / 134 ms
+(interleaved in one process; ``docs/benchmarks.md``, round 24; ``scripts/forward_cost.py``
+compares the layouts on any machine). No maintained library picks the operand order by row count
+for an unmodified transformers model in eager mode, hence this module.
+
+Invariants:
+
+* :class:`SkinnyLinear` *is* an ``nn.Linear`` holding the same ``weight`` / ``bias`` Parameters
+  (tied weights stay tied; ``state_dict`` keys, copies and PEFT wrapping are unchanged); only its
+  inference forward differs, and only for ``2 <= rows <= max_rows`` float32 rows on a CPU.
+* One row (a plain decode step) and any row count with gradients wanted run ``F.linear`` itself:
+  plain decoding is bitwise what it was.
+* Each output row is the same function of its own input row as ``F.linear``'s; the float32 result
+  may differ from ``F.linear``'s in the last bits (another summation order), as ``F.linear``'s own
+  results for a row alone and among others already do. Greedy speculative output therefore equals
+  plain greedy unless a near-tie of float32 rounding intervenes (tested with
+  :func:`selfspec.measurement.measure.divergence`, as bf16 is).
+* The output is contiguous, laid out as ``F.linear``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_ROWS = 16  # above this (prefill, long trees) the row-major product is as fast or faster here
+
+
+def skinny_available(dtype: torch.dtype, device="cpu") -> bool:
+    """Whether :func:`use_skinny_linears` applies: a float32 model on a CPU."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+class SkinnyLinear(nn.Linear):
+    """An ``nn.Linear`` that computes a few float32 rows as ``(W @ x^T)^T`` in inference.
+
+    Shapes as ``nn.Linear``: ``[..., in_features]`` -> ``[..., out_features]``. Build it with
+    :meth:`wrap`; it shares the wrapped layer's Parameters.
+    """
+
+    max_rows: int = MAX_ROWS
+
+    @classmethod
+    def wrap(cls, linear: nn.Linear, max_rows: int = MAX_ROWS) -> "SkinnyLinear":
+        if linear._forward_hooks or linear._forward_pre_hooks or linear._backward_hooks:
+            raise ValueError("use_skinny_linears must run before hooks are registered on the model's linear layers")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.max_rows = max_rows
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        rows = x.numel() // max(1, self.in_features)
+        if (rows < 2 or rows > self.max_rows or x.dtype != torch.float32 or w.dtype != torch.float32
+                or x.device.type != "cpu" or w.device.type != "cpu"
+                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+            return F.linear(x, w, self.bias)
+        flat = x.reshape(rows, self.in_features)
+        out = torch.mm(w.detach(), flat.t()).t()
+        if self.bias is not None:
+            out = out + self.bias.detach()
+        return out.contiguous().reshape(*x.shape[:-1], self.out_features)
+
+
+def use_skinny_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
+    """Replace every plain ``nn.Linear`` of ``model`` in place by a :class:`SkinnyLinear` sharing
+    its Parameters; return how many were replaced (already wrapped layers are left alone)."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, SkinnyLinear.wrap(child, max_rows))
+                count += 1
+    return count
