@@ -5,7 +5,8 @@
 Loads the target once per setup in one process (float32 with ``nn.Linear``; float32 with skinny
 products for few rows, :mod:`selfspec.skinny_linear`; bfloat16 with ``nn.Linear``; bfloat16 with
 prepacked weights, :mod:`selfspec.prepack`, where the CPU has native bf16; ``--setups`` picks) and
-measures, interleaved so load drifts hit all alike, the median seconds of a decoder + LM head pass over n new tokens after a 256-token
+measures, interleaved per size (the setups' order alternating per round) so load drifts hit all
+alike, the median seconds of a decoder + LM head pass over n new tokens after a 256-token
 cache (``selfspec.measurement.calibration.verify_costs``): n = 1 is a plain decode step, larger n a
 verified draft tree. Writes <out>.json (command, provenance, costs) and <out>.md (a table).
 """
@@ -60,10 +61,10 @@ def main(argv=None) -> None:
     names = args.setups or [n for n in SETUPS if n != "bfloat16 prepacked" or prepack_available(torch.bfloat16)]
     models = {name: selfspec.load_target(args.target, **SETUPS[name])[0] for name in names}
     costs = {name: {n: float("inf") for n in args.sizes} for name in models}
-    for _ in range(args.rounds):
-        for name, model in models.items():
-            for n, s in verify_costs(model, args.sizes).items():
-                costs[name][n] = min(costs[name][n], s)
+    for r in range(args.rounds):
+        for n in args.sizes:  # setups interleaved per size, their order alternating per round
+            for name, model in (list(models.items()) if r % 2 == 0 else list(models.items())[::-1]):
+                costs[name][n] = min(costs[name][n], verify_costs(model, [n])[n])
     command = "python scripts/forward_cost.py " + " ".join(argv or sys.argv[1:])
     text = (f"`{command}`\n\nMilliseconds per target pass (decoder + LM head) over n new tokens after a "
             f"256-token cache, {torch.get_num_threads()} threads:\n\n{table(costs)}\n")
