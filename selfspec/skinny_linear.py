@@ -3,13 +3,16 @@
 Why: a verify pass runs the target over a draft tree of 2-17 tokens, so every linear layer is a
 matrix product with 2-17 rows. On a CPU without native bf16 the target runs in float32, and there
 ``nn.Linear`` (MKL's sgemm with the weight as the transposed right operand) handles a few rows
-far worse than one: measured on an AMD EPYC (Zen 3, AVX2 only, 2 threads, torch 2.13 with MKL
-2024.2), a SmolLM2-135M forward over 2 / 4 / 8 new tokens after 256 cached positions took
-134 / 137 / 150 ms against 82 ms for one token, although the weights, which dominate, are read
-once either way. The same product with the weight as the *left* operand, ``W @ x^T`` (a tall-skinny
-sgemm), took 95 / 93 / 128 ms, and oneDNN with prepacked float32 weights 116 / 120 / 134 ms
-(interleaved in one process; ``docs/benchmarks.md``, round 24; ``scripts/forward_cost.py``
-compares the layouts on any machine). No maintained library picks the operand order by row count
+far worse than one, although the weights, which dominate, are read once either way. Measured on
+an AMD EPYC (Zen 3, AVX2 only, 2 threads, torch 2.13 with MKL 2024.2), SmolLM2-135M's decoder plus
+LM head (as the engine runs it, :func:`selfspec.lm_head.lm_logits`) over n new tokens after 256
+cached positions, the two layouts alternated call by call, medians of 15: one token 84 ms;
+n = 2 / 3 / 4 / 5: 117 / 135 / 120 / 123 ms with ``nn.Linear``, 86 / 107 / 89 / 106 ms with the
+weight as the *left* operand, ``W @ x^T`` (a tall-skinny sgemm); n = 6-12 within 2% either way;
+n = 16: 157 vs 147 ms (``docs/benchmarks.md``, round 24; ``scripts/forward_cost.py --setups
+float32 "float32 skinny"`` compares them on any machine). oneDNN with prepacked float32 weights
+was in between. The LM head already used this layout in :mod:`selfspec.lm_head`; this module
+extends it to the decoder's layers. No maintained library picks the operand order by row count
 for an unmodified transformers model in eager mode, hence this module.
 
 Invariants:
