@@ -20,8 +20,9 @@ Invariants:
 * :class:`SkinnyLinear` *is* an ``nn.Linear`` holding the same ``weight`` / ``bias`` Parameters
   (tied weights stay tied; ``state_dict`` keys, copies and PEFT wrapping are unchanged); only its
   inference forward differs, and only for ``2 <= rows <= max_rows`` float32 rows on a CPU.
-* One row (a plain decode step) and any row count with gradients wanted run ``F.linear`` itself:
-  plain decoding is bitwise what it was.
+* One row (a plain decode step), more than ``max_rows`` rows and any row count with gradients
+  wanted run ``F.linear`` itself: decode steps are bitwise what they were (a prefill of 2-16
+  tokens takes the skinny path, in plain and speculative decoding alike).
 * Each output row is the same function of its own input row as ``F.linear``'s; the float32 result
   may differ from ``F.linear``'s in the last bits (another summation order), as ``F.linear``'s own
   results for a row alone and among others already do. Greedy speculative output therefore equals
