@@ -1,12 +1,15 @@
 """What a draft step costs with a drafter head's linear layers as loaded, prepacked, in float32 or
-int8 weight-only, on a bf16 prepacked target, side by side in one process.
+int8 weight-only, side by side in one process.
 
     python scripts/head_kernels.py checkpoints/smollm2-135m-instruct-eagle3 --out docs/results/r15_head_kernels
+    python scripts/head_kernels.py checkpoints/smollm2-135m-instruct-eagle3 --dtype float32 --out docs/results/r25_head_kernels_f32
 
-Loads the target once (bfloat16, prepacked weights, :mod:`selfspec.prepack`) and the checkpoint
-four times: head linears as loaded (bf16 ``nn.Linear``), prepacked bf16
-(``selfspec.prepack.prepack_linears``), the head cast to float32, and ``head_weights="int8"``
-(:mod:`selfspec.int8_linear`); the tree is the checkpoint's for bf16 in all four. Each drafts
+``--dtype bfloat16`` (default) loads the target once (bfloat16, prepacked weights,
+:mod:`selfspec.prepack`) and the checkpoint four times: head linears as loaded (bf16
+``nn.Linear``), prepacked bf16 (``selfspec.prepack.prepack_linears``), the head cast to float32,
+and ``head_weights="int8"`` (:mod:`selfspec.int8_linear`). ``--dtype float32`` loads a float32
+target (as ``load_target`` does by default there) and compares the float32 head with
+``head_weights="int8"``. The tree is the checkpoint's for that dtype in every setup. Each drafts
 every step (``adaptive=False``) on held-out chat prompts (never the head's training prompts nor a
 benchmark prompt), interleaved with plain decoding per prompt and round so load drifts hit all
 alike. Reported per setup: the median draft seconds per speculative step
@@ -48,15 +51,21 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="target dtype")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     prov = benchmark.provenance()
-    model, tok = selfspec.load_target(args.target, dtype="bfloat16", prepack=True)
     from calibrate import training_prompts
 
-    names = ("bf16 unpacked", "bf16 prepacked", "float32", "int8")
+    if args.dtype == "bfloat16":
+        model, tok = selfspec.load_target(args.target, dtype="bfloat16", prepack=True)
+        names = ("bf16 unpacked", "bf16 prepacked", "float32", "int8")
+    else:
+        model, tok = selfspec.load_target(args.target, dtype="float32")
+        names = ("float32", "int8")
     setups = {name: load_drafter(args.checkpoint, model).with_options(head_weights="native") for name in names}
-    prepack_linears(setups["bf16 prepacked"].head)
+    if "bf16 prepacked" in setups:
+        prepack_linears(setups["bf16 prepacked"].head)
     setups["float32"].head.float()
     setups["int8"] = setups["int8"].with_options(head_weights="int8")
     meta, _ = read_checkpoint(args.checkpoint)
@@ -83,16 +92,18 @@ def main(argv=None) -> None:
     speedup = {name: seconds["plain"] / seconds[name] for name in setups}
     mat = {name: tokens[name] / steps[name] for name in setups}
     command = "python scripts/head_kernels.py " + " ".join(argv or sys.argv[1:])
-    tree = setups["bf16 prepacked"].config_dict()
+    tree = setups["int8"].config_dict()
     rows = "\n".join(f"| {name} | {v:.1f} | {mat[name]:.2f} | {speedup[name]:.2f}x |" for name, v in ms.items())
     text = (f"`{command}`\n\nDraft milliseconds per speculative step (median over {args.rounds} x {args.prompts} "
             f"generations of {args.new_tokens} tokens on held-out chat prompts, tree {tree.get('max_depth')}/"
             f"{tree.get('width')}/{tree.get('max_nodes')}), mean accepted length, and speedup over plain decoding "
-            f"of the same prompts (per-token time, summed over prompts), bf16 prepacked target, "
+            f"of the same prompts (per-token time, summed over prompts), "
+            f"{'bf16 prepacked' if args.dtype == 'bfloat16' else 'float32'} target, "
             f"{torch.get_num_threads()} threads:\n\n| head linears | draft ms / step | MAT | speedup |\n"
             f"|---|---|---|---|\n{rows}\n")
     print(text)
     write_result(args.out, {"command": command, "provenance": prov, "threads": torch.get_num_threads(),
+                            "dtype": args.dtype, "tree": tree,
                             "draft_ms_per_step": ms, "mean_accepted_length": mat, "speedup": speedup,
                             "prompts": texts}, text)
 

@@ -23,13 +23,17 @@ Invariants:
   returns garbage or crashes on some other sizes, found by a scan), 16-bit or 32-bit float
   inputs, and one call per layer compared at build time with the dequantized reference. Elsewhere
   the layer multiplies by the dequantized weight (same values, plain ``F.linear``).
-* float32 inputs are rounded to bf16 for the kernel where bf16 is native (the kernel's float32
-  path is 4-5x slower than its bf16 path here) and the result is returned in float32.
+* float32 inputs are rounded to bf16 for the kernel and the result is returned in float32: the
+  kernel's float32 path is 4-5x slower than its bf16 path on a CPU with native bf16 and 10x slower
+  on one without (AVX2 only, round 25), where the bf16 path still needs no native bf16 (it widens
+  the activations, the weights are int8): the 8192 x 576 head, one row, 0.28 ms against 1.4 ms
+  for the float32 weight (``W @ x^T``, the fastest float32 layout there) and 3.1 ms for the
+  kernel's float32 path (2 threads, medians of 300 calls); a whole draft step:
+  ``docs/results/r25_head_kernels_f32.md``.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -83,8 +87,6 @@ class Int8Linear(nn.Module):
         if (self.qweight.device.type != "cpu" or self.in_features % KERNEL_BLOCK
                 or not hasattr(torch, "_weight_int8pack_mm")):
             return False
-        if not _native_bf16():
-            return False
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(3, self.in_features, generator=gen).to(torch.bfloat16)
         try:
@@ -108,13 +110,6 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-
-
-@lru_cache(maxsize=1)
-def _native_bf16() -> bool:
-    from .loading import bf16_is_fast
-
-    return bf16_is_fast("cpu")
 
 
 def quantize_linears(module: nn.Module, exclude: tuple[str, ...] = ()) -> int:
