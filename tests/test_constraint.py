@@ -15,7 +15,7 @@ from selfspec.engine import decode
 from selfspec.sampling import SamplingConfig, target_probs
 from selfspec.tree import Law
 from stubs import ScriptedDrafter, table_target
-from test_distribution import chi_square_ok
+from test_distribution import chi_square_ok, control_samples
 
 VOCAB, PROMPT, NEW = 6, [1, 2], 3
 
@@ -91,9 +91,9 @@ def test_speculative_law_equals_constrained_plain_law(cfg, draft):
 
 
 def test_negative_control_root_mask_on_every_node_fails():
-    cfg = SamplingConfig(1.0)
+    cfg, n = SamplingConfig(1.0), control_samples(20000)
     ok, msg = chi_square_ok(constrained_law(cfg), draw(cfg, ScriptedDrafter(VOCAB, point=2, sampled=2),
-                                                       RootMaskEverywhere()))
+                                                       RootMaskEverywhere(), n=n), n=n)
     assert not ok, f"the lossy constraint passed ({msg}): the test is vacuous"
 
 

@@ -15,7 +15,7 @@ from selfspec.drafters import Eagle3Config, build_drafter, load_drafter, save_dr
 from selfspec.sampling import SamplingConfig, target_probs
 from selfspec.taps import capture_taps
 from selfspec.target import TreeTarget
-from test_distribution import _stale_bonus, chi_square_ok
+from test_distribution import _stale_bonus, chi_square_ok, control_samples
 from test_layerskip import _exact_law  # same 6-token vocabulary, prompt and 3 new tokens
 from tiny_models import FAMILIES, tiny_model
 
@@ -220,10 +220,10 @@ def _peaked_model():
     return model
 
 
-def _counts(model, cfg, drafter):
+def _counts(model, cfg, drafter, n=SAMPLES):
     gen = torch.Generator().manual_seed(0)
     counts, tested, accepted = {}, 0, 0
-    for _ in range(SAMPLES):
+    for _ in range(n):
         out = selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=drafter, max_new_tokens=NEW,
                                 temperature=cfg.temperature, top_k=cfg.top_k, generator=gen, eos_token_id=[],
                                 adaptive=False)
@@ -256,8 +256,8 @@ def test_negative_control_fails_in_the_same_harness(monkeypatch):
     head weights: the int8 head only changes the draft law q)."""
     monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
     model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
-    drafter = _sampling_drafter(model, "int8")
-    ok, msg = chi_square_ok(_exact_law(model, cfg), _counts(model, cfg, drafter), n=SAMPLES)
+    drafter, n = _sampling_drafter(model, "int8"), control_samples(SAMPLES)
+    ok, msg = chi_square_ok(_exact_law(model, cfg), _counts(model, cfg, drafter, n), n=n)
     assert not ok, f"the lossy rule passed ({msg}): the harness is vacuous"
 
 

@@ -15,7 +15,7 @@ from selfspec.lm_head import lm_logits
 from selfspec.sampling import SamplingConfig, target_probs
 from selfspec.target import TreeTarget
 import selfspec.verify as verify_mod
-from test_distribution import _stale_bonus, chi_square_ok
+from test_distribution import _stale_bonus, chi_square_ok, control_samples
 from tiny_models import FAMILIES, tiny_model
 
 PROMPT = torch.tensor([[3, 9, 27, 3, 9, 27, 3, 9, 5, 11]])
@@ -184,10 +184,10 @@ def _sampling_drafter(model, kv_reuse=True):
                          max_depth=2, max_nodes=6)
 
 
-def _sampled_counts(model, cfg, drafter):
+def _sampled_counts(model, cfg, drafter, n=SAMPLES):
     gen = torch.Generator().manual_seed(0)
     counts, tested, accepted = {}, 0, 0
-    for _ in range(SAMPLES):
+    for _ in range(n):
         out = selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=drafter, max_new_tokens=NEW,
                                 temperature=cfg.temperature, top_k=cfg.top_k, generator=gen, eos_token_id=[],
                                 adaptive=False)
@@ -209,7 +209,8 @@ def test_sampled_children_keep_the_target_law(lossy, monkeypatch):
     if lossy:
         monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
     model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
-    ok, msg = chi_square_ok(_exact_law(model, cfg), _sampled_counts(model, cfg, _sampling_drafter(model)), n=SAMPLES)
+    n = control_samples(SAMPLES) if lossy else SAMPLES
+    ok, msg = chi_square_ok(_exact_law(model, cfg), _sampled_counts(model, cfg, _sampling_drafter(model), n), n=n)
     assert ok != lossy, msg
 
 

@@ -13,7 +13,7 @@ from selfspec.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from selfspec.sampling import SamplingConfig
 from stubs import FakeLM
 import selfspec.verify as verify_mod
-from test_distribution import SETTINGS, _stale_bonus, chi_square_ok, draw_with, exact_law
+from test_distribution import SAMPLES, SETTINGS, _stale_bonus, chi_square_ok, control_samples, draw_with, exact_law
 from tiny_models import FAMILIES, tiny_model
 
 VOCAB = 64
@@ -58,7 +58,9 @@ def test_random_heads_keep_the_target_law(setting, lossy, monkeypatch):
     lm = FakeLM(vocab=6, hidden=8)
     heads = MedusaHeads(MedusaConfig(num_heads=2, tree=[[0], [1], [2], [0, 0], [1, 0]]), 8).double()
     drafter = random_heads(MedusaDrafter(lm, heads), scale=1.0)
-    ok, msg = chi_square_ok(exact_law(cfg, prompt=[1, 2, 3]), draw_with(cfg, drafter, hidden_size=8, prompt=[1, 2, 3]))
+    n = control_samples(SAMPLES) if lossy else SAMPLES
+    ok, msg = chi_square_ok(exact_law(cfg, prompt=[1, 2, 3]), draw_with(cfg, drafter, n=n, hidden_size=8, prompt=[1, 2, 3]),
+                            n=n)
     assert ok != lossy, msg
 
 

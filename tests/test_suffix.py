@@ -15,7 +15,7 @@ from selfspec.drafters import SuffixConfig, SuffixDrafter
 from selfspec.drafters.base import DraftContext
 from selfspec.sampling import SamplingConfig
 from selfspec.suffix_trie import SuffixTrie, TrieCursor
-from test_distribution import chi_square_ok, draw_with, exact_law
+from test_distribution import chi_square_ok, control_samples, draw_with, exact_law
 from tiny_models import FAMILIES, tiny_model
 
 
@@ -133,7 +133,7 @@ def test_law_at_temperature_with_history_and_negative_control(monkeypatch, lossy
     if lossy:
         monkeypatch.setattr(verify_mod, "_child_laws", _point_always_accepted)
     drafter = SuffixDrafter(SuffixConfig(max_depth=6, min_prob=0.05, max_cached_tokens=3000))
-    n = 20000
+    n = control_samples(20000) if lossy else 20000
     ok, msg = chi_square_ok(exact_law(cfg, prompt), draw_with(cfg, drafter, n=n, prompt=prompt), n=n)
     assert drafter.cached_tokens <= 3000
     assert ok != lossy, msg
