@@ -46,9 +46,8 @@ def control_samples(n: int) -> int:
     round 25 at a quarter: chi-square 15,067 against a limit of 117 for the stale bonus token in
     the decode loop, 68,874 against 141 with Medusa heads, 332,086 against 105 for suffix drafts
     never rejected, samples outside the support in the top-k cases), and under a fixed lossy law
-    the expected
-    chi-square grows linearly with the sample count, so a rule caught at n/4 is caught at n.
-    Controls drew the full n before: about a third of the suite's time went to them."""
+    the expected chi-square grows linearly with the sample count, so a rule caught at n/4 is
+    caught at n. Controls drew the full n before: about a quarter of the suite's time went to them."""
     return max(1, n // 4)
 
 
