@@ -34,7 +34,6 @@ Invariants:
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
