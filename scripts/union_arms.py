@@ -1,0 +1,95 @@
+"""Which arms a union runs, prompt after prompt, against its member alone (a diagnostic, not a
+benchmark: one run per prompt, no repeats, no interval).
+
+    python scripts/union_arms.py --categories writing roleplay math stem --temperatures 0.7 0 \\
+        --out docs/results/r25_union_arms
+
+For each temperature, one union (``--union``, default ``eagle3+ngram``) and one member
+(``--member``, default ``eagle3``) are built and kept across the prompts, as the benchmark keeps
+its drafters (the union's measured speeds and probe schedule carry from prompt to prompt), and
+both generate ``--max-new-tokens`` tokens from the first turn of the first MT-Bench question of
+each category, in the order given, with the same seed. ``--fresh`` builds a new union per prompt
+instead. Reported per prompt: the steps the union ran per arm (plain, each member alone, the
+merge), its mean accepted length and tokens/s, and the member's. Writes <out>.json and <out>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import selfspec  # noqa: E402
+from selfspec.chat import encode_chat  # noqa: E402
+from selfspec.drafters import drafter_from_spec  # noqa: E402
+from selfspec.measurement import benchmark  # noqa: E402
+from selfspec.measurement.measure import write_result  # noqa: E402
+from selfspec.measurement.workloads import load_questions, take_per_category  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=selfspec.DEFAULT_TARGET)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--questions", default=str(SHARED / "mt_bench_question.jsonl"))
+    ap.add_argument("--categories", nargs="+", required=True)
+    ap.add_argument("--temperatures", nargs="+", type=float, default=[0.7])
+    ap.add_argument("--union", default="eagle3+ngram")
+    ap.add_argument("--member", default="eagle3")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fresh", action="store_true", help="a new union for every prompt")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    model, tok = selfspec.load_target(args.target, dtype=args.dtype)
+    questions = {q.category: q for q in take_per_category(load_questions(args.questions), 1)}
+    missing = [c for c in args.categories if c not in questions]
+    if missing:
+        raise SystemExit(f"no question of categories {missing} in {args.questions}")
+    rows = []
+    for temp in args.temperatures:
+        union = member = None
+        for cat in args.categories:
+            if union is None or args.fresh:
+                union = drafter_from_spec(model, args.union, args.target, tok)
+            if member is None:
+                member = drafter_from_spec(model, args.member, args.target, tok)
+            ids = encode_chat(tok, questions[cat].turns[0])
+            before = list(union.arm_steps)
+            u = selfspec.generate(model, ids, drafter=union, max_new_tokens=args.max_new_tokens,
+                                  temperature=temp, seed=args.seed).stats
+            m = selfspec.generate(model, ids, drafter=member, max_new_tokens=args.max_new_tokens,
+                                  temperature=temp, seed=args.seed).stats
+            rows.append({"temperature": temp, "category": cat,
+                         "union_arm_steps": [a - b for a, b in zip(union.arm_steps, before)],
+                         "union_mat": u.new_tokens / u.steps, "union_tokens_per_s": u.new_tokens / u.wall_time_s,
+                         "member_mat": m.new_tokens / m.steps, "member_tokens_per_s": m.new_tokens / m.wall_time_s,
+                         "member_plain_steps": m.plain_steps})
+            print(rows[-1], flush=True)
+    names = ["plain"] + args.union.split("+") + ["merge"]
+    command = "python scripts/union_arms.py " + " ".join(argv or sys.argv[1:])
+    table = "\n".join(
+        f"| {r['temperature']:g} | {r['category']} | {' / '.join(map(str, r['union_arm_steps']))} | "
+        f"{r['union_mat']:.2f} | {r['union_tokens_per_s']:.1f} | {r['member_mat']:.2f} | "
+        f"{r['member_tokens_per_s']:.1f} |" for r in rows)
+    text = (f"`{command}`\n\nOne run per prompt ({args.max_new_tokens} new tokens, seed {args.seed}, "
+            f"{'a new union per prompt' if args.fresh else 'one union kept across the prompts, in this order'}; "
+            f"{torch.get_num_threads()} threads; tokens/s include prefill):\n\n"
+            f"| T | category | `{args.union}` steps per arm ({' / '.join(names)}) | union MAT | union tokens/s | "
+            f"`{args.member}` MAT | `{args.member}` tokens/s |\n|---|---|---|---|---|---|---|\n{table}\n")
+    print(text)
+    write_result(args.out, {"command": command, "provenance": benchmark.provenance(), "arms": names,
+                            "rows": rows}, text)
+
+
+if __name__ == "__main__":
+    main()
