@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
 import torch
 
 from selfspec.drafters.base import DraftContext, Drafter
@@ -103,7 +106,20 @@ class ScriptedDrafter(Drafter):
             made += [b.add(node, t, self.law) for t in draws]
         return made
 
+    merged_point_only = False  # set on a union member's copy: point-mass children in merged steps
+
+    def point_mass_when_merged(self) -> "ScriptedDrafter":
+        if not self.sampled:
+            return self
+        other = copy.copy(self)
+        other.merged_point_only = True
+        return other
+
     def propose(self, ctx: DraftContext) -> DraftTree:
+        if ctx.merged and self.merged_point_only:
+            merged = copy.copy(self)
+            merged.point, merged.sampled, merged.merged_point_only = max(self.point, 1), 0, False
+            return merged.propose(replace(ctx, merged=False))
         b = TreeBuilder(ctx.root_token)
         if ctx.max_depth >= 1:
             kids = self._add_children(b, 0, ctx.root_token, ctx.generator)

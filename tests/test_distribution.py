@@ -358,6 +358,46 @@ def test_union_with_the_adaptive_policy_keeps_the_law(lossy, monkeypatch):
     assert ok != lossy, msg
 
 
+@pytest.mark.parametrize("lossy", [False, True])
+def test_union_passes_a_lone_sampling_member_through_and_keeps_the_law(lossy, monkeypatch):
+    """A union of a sampling member (point + without-replacement children) and a point-mass one,
+    adaptive policy on, T = 0.7, top-k 3: the sampling member's arm drafts its own sampled tree,
+    passed through unmerged (round 25), merged steps get its point-mass tree; the law of the first
+    three tokens is the target's. With a stale bonus token (``lossy``) the same harness must fail."""
+    from selfspec.adaptive import AdaptiveConfig, AdaptivePolicy
+    from selfspec.drafters.union import UnionDrafter
+
+    if lossy:
+        monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
+    from test_union import _Clock, timed_target
+
+    clock = _Clock(seed=0)
+    cfg, gen, target, counts = SETTINGS["T0.7-topk3"], torch.Generator().manual_seed(0), timed_target(clock, VOCAB), {}
+    union = UnionDrafter([ScriptedDrafter(VOCAB, point=1, sampled=2, law=Law.WOR, seed=1),
+                          ScriptedDrafter(VOCAB, point=1, sampled=0, seed=2)], clock=clock)
+    kinds = {"sampled alone": 0, "merged": 0}
+    propose = union.propose
+
+    def spy(ctx):
+        tree = propose(ctx)
+        sampled = bool((tree.laws[1:] != Law.POINT).any())
+        assert not (sampled and len(union._asked) > 1)  # merged trees hold point-mass children only
+        kinds["sampled alone"] += sampled
+        kinds["merged"] += len(union._asked) > 1
+        return tree
+
+    union.propose = spy
+    policy = AdaptivePolicy(AdaptiveConfig())
+    ids, n = torch.tensor(PROMPT), control_samples(SAMPLES) if lossy else SAMPLES
+    for _ in range(n):
+        out = decode(target, ids, union, cfg, gen, NEW, set(), 100, policy=policy)
+        key = tuple(out.sequences[0, len(PROMPT):].tolist())
+        counts[key] = counts.get(key, 0) + 1
+    assert min(kinds.values()) > 0, kinds
+    ok, msg = chi_square_ok(exact_law(cfg), counts, n=n)
+    assert ok != lossy, msg
+
+
 def test_decode_loop_negative_control_fails(monkeypatch):
     cfg = SETTINGS["T1"]
     monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)

@@ -152,6 +152,19 @@ class Drafter(ABC):
     def __init__(self, signature: TargetSignature | None = None):
         self.signature = signature
 
+    def point_mass_when_merged(self) -> "Drafter":
+        """This drafter as a union member. Only point-mass trees merge (a sampled child's recorded
+        law is tied to its siblings, which a merge would change), so in merged steps
+        (``ctx.merged``) a member must draft point-mass children. Default: a drafter that samples
+        (``cfg.sampled``) drafts point-mass trees in every step (:meth:`with_options`). A drafter
+        that shapes its tree per call overrides this and keeps sampling in the steps it drafts
+        alone; the union passes such a tree through unmerged, so its member-alone arm runs what
+        the drafter runs on its own (at T > 0 a sampled child is accepted with probability
+        1 - TV(p, q), a point-mass child x with p(x) only)."""
+        if getattr(getattr(self, "cfg", None), "sampled", False):
+            return self.with_options(sampled=False)
+        return self
+
     def for_merging(self, options: dict) -> "Drafter":
         """This drafter as a union member whose trees in *merged* steps (``ctx.merged``) use the
         tree ``options`` (:attr:`union_options`: calibrated inside a union, where one node budget

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -144,6 +144,13 @@ class Eagle3Drafter(Drafter):
         option: given here, it applies to both trees (one head runs both)."""
         other = self.with_options(**{k: v for k, v in options.items() if k == "head_weights"})
         other.merge_cfg = self.with_options(**options).cfg
+        return other
+
+    def point_mass_when_merged(self) -> "Eagle3Drafter":
+        """A drafter sharing this head that samples its own tree when alone (as configured) and
+        drafts point-mass children in a union's merged steps (see the base method)."""
+        other = self.with_options()
+        other.merge_cfg = replace(self.merge_cfg or self.cfg, sampled=False)
         return other
 
     # ------------------------------------------------------------------ drafting

@@ -81,7 +81,14 @@ arm modeled from it, far too slow for a long time (an arm under half the best is
 A capped first call still errs on the slow side, which the arm's next steps correct.
 
 Only point-mass trees can be merged: a sampled child carries a law tied to its own siblings,
-which a merge would break; members that can sample are asked for point-mass trees.
+which a merge would break; members that can sample are asked for point-mass trees in merged steps
+(:meth:`~selfspec.drafters.base.Drafter.point_mass_when_merged`). A member that drafts alone and
+samples (an EAGLE-3 head at T > 0) has its tree passed through unmerged, sampled children and
+their recorded laws as drafted: the member-alone arm is the member as it runs on its own. (Until
+round 25 the union asked for point-mass trees in every step; at T=0.7 its head arm then accepted
+less than the head alone, and the union ran plain steps where the head paid:
+``scripts/union_arms.py``.) A passed-through sampled tree updates no acceptance rate of the value
+model, which prices point-mass nodes of merged trees.
 
 A member asked in a merged step is told so (``ctx.merged``): a member built by
 :meth:`~selfspec.drafters.base.Drafter.for_merging` (an EAGLE-3 head with a tree calibrated inside
@@ -152,8 +159,7 @@ class UnionDrafter(Drafter):
         if not 0.0 <= explore_budget <= 1.0:
             raise ValueError(f"explore_budget must be in [0, 1], got {explore_budget}")
         super().__init__(members[0].signature)
-        members = [m.with_options(sampled=False) if getattr(getattr(m, "cfg", None), "sampled", False) else m
-                   for m in members]
+        members = [m.point_mass_when_merged() for m in members]
         self.members, self.max_nodes, self.min_value, self.decay = members, max_nodes, min_value, decay
         self.needs_hidden = any(m.needs_hidden for m in members)
         self.uses_tools = any(m.uses_tools for m in members)
@@ -530,6 +536,7 @@ class UnionDrafter(Drafter):
                 member.skip(ctx)
         # candidate trie: key (union parent key, token) -> [value, sources]; the root's key is ()
         trie: dict[tuple, list] = {}
+        alone_sampled = None  # a lone member's sampled tree, passed through unmerged
         # members of a merge draft their tree for merged steps (Drafter.for_merging); alone, their own
         mctx = replace(ctx, merged=True) if len(chosen) > 1 else ctx
         for m, member in enumerate(self.members):
@@ -546,7 +553,11 @@ class UnionDrafter(Drafter):
                 raise ValueError(f"{member.kind} handed off target layers, which a merged tree cannot use")
             tree = proposal.tree
             if bool((tree.laws[1:] != Law.POINT).any()):
-                raise ValueError(f"{member.kind} drafted sampled children, which a union cannot merge")
+                if len(chosen) > 1:
+                    raise ValueError(f"{member.kind} drafted sampled children, which a union cannot merge")
+                alone_sampled = tree
+                self.deepest = max(self.deepest, int(tree.depths.max()))
+                continue
             tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
             key, value, seen = {0: ()}, {0: 1.0}, {}
             shape = self.shapes[(m, self._state[m])] = []
@@ -564,6 +575,9 @@ class UnionDrafter(Drafter):
                 entry[1].append((m, depth, rank))
         if not chosen:  # the plain arm: one token, no drafting
             return DraftTree.root_only(ctx.root_token)
+        if alone_sampled is not None:
+            self._sources = [[] for _ in range(alone_sampled.num_nodes)]
+            return alone_sampled
         ranked = sorted(trie.items(), key=lambda kv: (-kv[1][0], len(kv[0])))
         builder, index = TreeBuilder(ctx.root_token), {(): 0}
         self._sources = [[]]
