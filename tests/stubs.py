@@ -108,6 +108,9 @@ class ScriptedDrafter(Drafter):
 
     merged_point_only = False  # set on a union member's copy: point-mass children in merged steps
 
+    def may_sample(self) -> bool:
+        return self.sampled > 0
+
     def point_mass_when_merged(self) -> "ScriptedDrafter":
         if not self.sampled:
             return self

@@ -374,7 +374,8 @@ def test_tree_calibrated_inside_unions_is_used_there_only(tmp_path):
     head = union.members[0]  # merged steps draft the union tree; steps it drafts alone, its own
     assert (head.merge_cfg.max_depth, head.merge_cfg.width, head.merge_cfg.max_nodes) == (3, 1, 3)
     assert (head.cfg.max_depth, head.cfg.max_nodes) == (4, 6)
-    assert head.merge_cfg.sampled is False and head.cfg.sampled is True  # point masses merge; alone it samples
+    assert head.merge_cfg.sampled is True and head.cfg.sampled is True  # the union's sampling anchor
+    assert union.anchor == 0
     assert head.checkpoint_meta is not None
     built = build_drafter(model, "union", members=[alone, build_drafter(model, "ngram")])
     assert built.members[0].merge_cfg.max_nodes == 3 and built.members[0].cfg.max_nodes == 6
@@ -394,7 +395,8 @@ def test_tree_calibrated_inside_unions_is_used_there_only(tmp_path):
         sizes[merged] = head.propose(replace(ctx, merged=merged)).num_nodes - 1
         ctx = replace(ctx, features=None)  # (shown once: the second call finds its cache current)
     assert sizes == {False: 6, True: 3}, sizes
-    # at T > 0: sampled children when it drafts alone (passed through the union), point masses merged
+    # at T > 0: sampled children alone (passed through the union) and merged (the union's anchor:
+    # prompt lookup's point masses are grafted on them); as a second sampling member, point masses merged
     from selfspec.tree import Law
 
     head.reset()
@@ -403,6 +405,15 @@ def test_tree_calibrated_inside_unions_is_used_there_only(tmp_path):
     sampled = {}
     for merged in (False, True):
         tree = head.propose(replace(ctx, merged=merged))
+        sampled[merged] = bool((tree.laws[1:] != Law.POINT).any())
+        ctx = replace(ctx, features=None)
+    assert sampled == {False: True, True: True}, sampled
+    second = build_drafter(model, "union", members=[build_drafter(model, "ngram"), alone, alone]).members[2]
+    head.reset()
+    ctx = DraftContext(ids, None, 8, SamplingConfig(0.9, top_k=4), torch.Generator().manual_seed(0),
+                       features=TreeTarget(model, taps=head.taps).prefill(ids).taps)
+    for merged in (False, True):
+        tree = second.propose(replace(ctx, merged=merged))
         sampled[merged] = bool((tree.laws[1:] != Law.POINT).any())
         ctx = replace(ctx, features=None)
     assert sampled == {False: True, True: False}, sampled

@@ -91,6 +91,40 @@ def test_members_are_told_whether_their_tree_is_merged():
     assert {arm for arm, _ in calls} >= {merge, 1}  # both kinds of step ran
 
 
+def test_one_sampling_member_anchors_merged_trees_and_the_others_draft_point_masses():
+    """At T > 0 the first member that samples keeps its sampled tree in merged steps, the other
+    members' point-mass nodes grafted after each parent's drafted children; a second sampling
+    member drafts point masses there; ``sampled_merge=False`` asks every member for point masses
+    (the law of such trees: tests/test_distribution.py)."""
+    from dataclasses import replace
+
+    from selfspec.drafters.base import DraftContext
+    from selfspec.tree import Law
+    from stubs import ScriptedDrafter
+
+    members = [ScriptedDrafter(6, point=0, sampled=0, seed=3), ScriptedDrafter(6, point=1, sampled=2, seed=1),
+               ScriptedDrafter(6, point=2, sampled=1, seed=2)]
+    union = UnionDrafter(members, clock=step_clock(), min_value=0.0, max_nodes=12)
+    assert union.anchor == 1 and union.members[1] is members[1]
+    assert not union.members[1].merged_point_only and union.members[2].merged_point_only
+    assert UnionDrafter(members, sampled_merge=False).anchor is None
+    ctx = DraftContext(torch.tensor([1, 2]), None, 2, SamplingConfig(0.7), torch.Generator().manual_seed(0))
+    def merged_step(ctx):
+        union._state = (0, 0, 0)
+        return len(union.arms) - 1
+
+    union._choose_arm = merged_step
+    for _ in range(20):
+        tree = union.propose(replace(ctx, generator=torch.Generator().manual_seed(_)))
+        own = members[1].propose(replace(ctx, generator=torch.Generator().manual_seed(_)))
+        n = own.num_nodes  # the anchor's tree comes first, as drafted
+        assert torch.equal(tree.tokens[:n], own.tokens) and torch.equal(tree.laws[:n], own.laws)
+        assert torch.equal(tree.parents[:n], own.parents) and torch.equal(tree.draft_probs, own.draft_probs)
+        assert bool((tree.laws[n:] == Law.POINT).all()) and tree.num_nodes > n
+        for kids in tree.children:  # no token twice under one parent
+            assert len({int(tree.tokens[k]) for k in kids}) == len(kids)
+
+
 def test_arm_speeds_are_kept_per_context_state():
     """Each member is right in alternate stretches of the output, and says so through its
     ``context_key``: the union measures arms per state and prefers the member that pays there."""

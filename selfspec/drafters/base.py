@@ -152,16 +152,23 @@ class Drafter(ABC):
     def __init__(self, signature: TargetSignature | None = None):
         self.signature = signature
 
+    def may_sample(self) -> bool:
+        """True when :meth:`propose` drafts sampled children (``Law.IID`` / ``Law.WOR``) at T > 0,
+        as its options say (``cfg.sampled``); a union keeps one such member sampling (its
+        *anchor*) and asks the others for point masses (:meth:`point_mass_when_merged`)."""
+        return bool(getattr(getattr(self, "cfg", None), "sampled", False))
+
     def point_mass_when_merged(self) -> "Drafter":
-        """This drafter as a union member. Only point-mass trees merge (a sampled child's recorded
-        law is tied to its siblings, which a merge would change), so in merged steps
-        (``ctx.merged``) a member must draft point-mass children. Default: a drafter that samples
-        (``cfg.sampled``) drafts point-mass trees in every step (:meth:`with_options`). A drafter
-        that shapes its tree per call overrides this and keeps sampling in the steps it drafts
-        alone; the union passes such a tree through unmerged, so its member-alone arm runs what
-        the drafter runs on its own (at T > 0 a sampled child is accepted with probability
-        1 - TV(p, q), a point-mass child x with p(x) only)."""
-        if getattr(getattr(self, "cfg", None), "sampled", False):
+        """This drafter as a union member that is not the union's sampling anchor. A union merges
+        one member's sampled tree (kept as drafted, children first) with other members'
+        *point-mass* nodes grafted after them; two sampled trees cannot merge (a sampled child's
+        recorded law is tied to its siblings). So in merged steps (``ctx.merged``) such a member
+        must draft point-mass children. Default: a drafter that samples drafts point-mass trees
+        in every step (:meth:`with_options`). A drafter that shapes its tree per call overrides
+        this and keeps sampling in the steps it drafts alone, where the union passes its tree
+        through unmerged (at T > 0 a sampled child is accepted with probability 1 - TV(p, q), a
+        point-mass child x with p(x) only)."""
+        if self.may_sample():
             return self.with_options(sampled=False)
         return self
 

@@ -80,15 +80,20 @@ EAGLE-3 head in bf16 here, ten verify passes), and one such step would price its
 arm modeled from it, far too slow for a long time (an arm under half the best is probed rarely).
 A capped first call still errs on the slow side, which the arm's next steps correct.
 
-Only point-mass trees can be merged: a sampled child carries a law tied to its own siblings,
-which a merge would break; members that can sample are asked for point-mass trees in merged steps
-(:meth:`~selfspec.drafters.base.Drafter.point_mass_when_merged`). A member that drafts alone and
-samples (an EAGLE-3 head at T > 0) has its tree passed through unmerged, sampled children and
-their recorded laws as drafted: the member-alone arm is the member as it runs on its own. (Until
-round 25 the union asked for point-mass trees in every step; at T=0.7 its head arm then accepted
-less than the head alone, and the union ran plain steps where the head paid:
-``scripts/union_arms.py``.) A passed-through sampled tree updates no acceptance rate of the value
-model, which prices point-mass nodes of merged trees.
+At T > 0 one member may keep sampling in merged steps, the *anchor* (the first member that
+samples, :meth:`~selfspec.drafters.base.Drafter.may_sample`, e.g. an EAGLE-3 head): its tree is
+kept as drafted, sampled children and their recorded laws, and the other members' point-mass nodes
+are *grafted* on it, each after every child its parent already has, by value within the node
+budget (:meth:`UnionDrafter._graft`, which says why this is exact). Other members that can sample
+draft point masses in merged steps (:meth:`~selfspec.drafters.base.Drafter.point_mass_when_merged`):
+two sampled trees cannot merge, a sampled child's law being tied to its own siblings. A member
+that drafts alone and samples has its tree passed through as drafted: the member-alone arm is the
+member as it runs on its own. (Until round 25 the union asked for point-mass trees in every step;
+at T=0.7 its head arm then accepted less than the head alone, and the union ran plain steps where
+the head paid: ``scripts/union_arms.py``. In round 25 the head sampled alone but drafted point
+masses in merged steps, so at T=0.7 a merge paid only where prompt lookup's nodes made up for the
+head's weaker point-mass nodes.) The anchor's sampled nodes count in its acceptance rates like
+point-mass ones (at T > 0 they are what it drafts, alone or merged).
 
 A member asked in a merged step is told so (``ctx.merged``): a member built by
 :meth:`~selfspec.drafters.base.Drafter.for_merging` (an EAGLE-3 head with a tree calibrated inside
@@ -123,10 +128,12 @@ from .base import DraftContext, Drafter, Proposal
 
 
 class UnionDrafter(Drafter):
-    """Merges the trees of ``members`` (all proposing point-mass children) by measured value.
+    """Merges the trees of ``members`` (point-mass children, grafted on the sampling anchor's
+    tree at T > 0) by measured value.
 
     Args:
-        members: the drafters (their sampled trees are asked for as point-mass trees).
+        members: the drafters (the first that samples is the anchor; the others' sampled trees
+            are asked for as point-mass trees in merged steps).
         max_nodes: node budget of a merged tree (default: the largest member's).
         min_value: merged nodes whose estimated acceptance is below it are not verified.
         decay: decay of a member's acceptance counts per step that asks it.
@@ -137,6 +144,9 @@ class UnionDrafter(Drafter):
             arm's estimate (their *regret*, catch-up included); past it, no probe runs until the
             share decays back (see :meth:`_may_explore`).
         clock: seconds as a float (default ``time.perf_counter``; tests inject a step clock).
+        sampled_merge: keep the first member that samples (:meth:`Drafter.may_sample`) sampling
+            in merged steps, other members' point-mass nodes grafted after its children (default);
+            ``False``: every member drafts point masses in merged steps (the union until round 26).
     """
 
     kind = "union"
@@ -144,7 +154,7 @@ class UnionDrafter(Drafter):
 
     def __init__(self, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05,
                  decay: float = 0.98, probe_every: int = 16, rate_decay: float = 0.9,
-                 explore_budget: float = 0.02, clock=time.perf_counter):
+                 explore_budget: float = 0.02, clock=time.perf_counter, sampled_merge: bool = True):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes is None:  # never verify more nodes than the largest member would on its own
@@ -159,7 +169,9 @@ class UnionDrafter(Drafter):
         if not 0.0 <= explore_budget <= 1.0:
             raise ValueError(f"explore_budget must be in [0, 1], got {explore_budget}")
         super().__init__(members[0].signature)
-        members = [m.point_mass_when_merged() for m in members]
+        # the sampling anchor (see the module's docstring): its sampled trees merge as drafted
+        self.anchor = next((i for i, m in enumerate(members) if m.may_sample()), None) if sampled_merge else None
+        members = [m if i == self.anchor else m.point_mass_when_merged() for i, m in enumerate(members)]
         self.members, self.max_nodes, self.min_value, self.decay = members, max_nodes, min_value, decay
         self.needs_hidden = any(m.needs_hidden for m in members)
         self.uses_tools = any(m.uses_tools for m in members)
@@ -536,7 +548,7 @@ class UnionDrafter(Drafter):
                 member.skip(ctx)
         # candidate trie: key (union parent key, token) -> [value, sources]; the root's key is ()
         trie: dict[tuple, list] = {}
-        alone_sampled = None  # a lone member's sampled tree, passed through unmerged
+        anchored = None  # the anchor's sampled tree and its nodes' trie keys (merged as drafted)
         # members of a merge draft their tree for merged steps (Drafter.for_merging); alone, their own
         mctx = replace(ctx, merged=True) if len(chosen) > 1 else ctx
         for m, member in enumerate(self.members):
@@ -552,12 +564,10 @@ class UnionDrafter(Drafter):
             if proposal.handoff is not None:  # (never: a union gets no target cache to write in)
                 raise ValueError(f"{member.kind} handed off target layers, which a merged tree cannot use")
             tree = proposal.tree
-            if bool((tree.laws[1:] != Law.POINT).any()):
-                if len(chosen) > 1:
-                    raise ValueError(f"{member.kind} drafted sampled children, which a union cannot merge")
-                alone_sampled = tree
-                self.deepest = max(self.deepest, int(tree.depths.max()))
-                continue
+            sampled = bool((tree.laws[1:] != Law.POINT).any())
+            if sampled and m != self.anchor and len(chosen) > 1:
+                raise ValueError(f"{member.kind} drafted sampled children in a union whose sampling "
+                                 f"member is another one; only one member's sampled tree can merge")
             tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
             key, value, seen = {0: ()}, {0: 1.0}, {}
             shape = self.shapes[(m, self._state[m])] = []
@@ -573,20 +583,62 @@ class UnionDrafter(Drafter):
                 entry = trie.setdefault(key[i], [0.0, []])
                 entry[0] = max(entry[0], value[i])
                 entry[1].append((m, depth, rank))
+            if sampled or m == self.anchor:
+                anchored = (tree, [key[i] for i in range(tree.num_nodes)], m, shape)
         if not chosen:  # the plain arm: one token, no drafting
             return DraftTree.root_only(ctx.root_token)
-        if alone_sampled is not None:
-            self._sources = [[] for _ in range(alone_sampled.num_nodes)]
-            return alone_sampled
+        floor = self.min_value if len(chosen) > 1 else 0.0  # a member alone drafts its own tree
+        if anchored is not None and bool((anchored[0].laws[1:] != Law.POINT).any()):
+            return self._graft(trie, *anchored, budget=self.max_nodes if len(chosen) > 1 else 0, floor=floor)
         ranked = sorted(trie.items(), key=lambda kv: (-kv[1][0], len(kv[0])))
         builder, index = TreeBuilder(ctx.root_token), {(): 0}
         self._sources = [[]]
-        floor = self.min_value if len(chosen) > 1 else 0.0  # a member alone drafts its own tree
         kept = [k for k, (v, _) in ranked if v >= floor][: self.max_nodes]
         for k in sorted(kept, key=len):  # parents first; a parent's value >= its child's
             if k[:-1] in index:
                 index[k] = builder.add(index[k[:-1]], k[-1])
                 self._sources.append(trie[k][1])
+        return builder.build()
+
+    def _graft(self, trie: dict[tuple, list], tree: DraftTree, keys: list[tuple], m: int,
+               shape: list[tuple[int, int, int]], budget: int, floor: float) -> DraftTree:
+        """The anchor's sampled ``tree`` as drafted (tokens, laws, recorded draft laws; node i
+        keeps index i), then the other members' point-mass nodes of ``trie`` not already in it,
+        highest value first while at least ``floor`` and the tree holds at most ``budget`` draft
+        nodes (0: none; ``budget`` is the union's ``max_nodes``), each appended after every
+        child its parent already has.
+
+        Exact at any temperature: at a node, the verifier tests the anchor's children first,
+        each against the law it was drawn from given its earlier siblings, exactly as in the
+        anchor's own tree; a grafted point-mass child x comes after them and is accepted with the
+        residual's r(x), a valid proposal whatever the earlier siblings were (which ones are
+        grafted depends on the anchor's draws only through the tokens drawn: a token already
+        drawn is not grafted again, its residual is 0). Which nodes are grafted never depends on
+        a verification coin.
+
+        ``keys[i]`` is node i's token path from the root; ``shape[i - 1]`` its (parent, depth,
+        rank). Node sources: the anchor's (m, depth, rank) for its nodes, plus every member that
+        proposed the same path; a graft, its proposers."""
+        builder, index = TreeBuilder(tree.tokens[0].item()), {(): 0}
+        self._sources = [[]]
+        tokens, parents, laws = tree.tokens.tolist(), tree.parents.tolist(), tree.laws.tolist()
+        rows = tree.draft_row.tolist() if tree.draft_row is not None else [-1] * tree.num_nodes
+        for i in range(1, tree.num_nodes):
+            builder.add(parents[i], tokens[i], Law(laws[i]))
+            first = index.setdefault(keys[i], i) == i  # (with replacement: a token drawn twice)
+            others = [src for src in trie[keys[i]][1] if src[0] != m] if first else []
+            self._sources.append([(m, *shape[i - 1][1:])] + others)
+        for i, row in enumerate(rows):
+            if row >= 0:
+                builder.set_draft_probs(i, tree.draft_probs[row])
+        room = budget - (tree.num_nodes - 1)
+        if room > 0:
+            ranked = sorted((kv for kv in trie.items() if kv[0] not in index and kv[1][0] >= floor),
+                            key=lambda kv: (-kv[1][0], len(kv[0])))
+            for k, (_, sources) in sorted(ranked[:room], key=lambda kv: len(kv[0])):  # parents first
+                if k[:-1] in index:
+                    index[k] = builder.add(index[k[:-1]], k[-1])
+                    self._sources.append(sources)
         return builder.build()
 
     def observe(self, ctx: DraftContext, tree: DraftTree, verdict: Verdict) -> None:
