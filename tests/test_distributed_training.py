@@ -67,7 +67,9 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL a process and all its children at once."""
+    """SIGKILL a process and all its children at once, and return only when every one of them is
+    gone: a worker still alive after the launcher exits could write one more checkpoint after
+    the caller read the last one (seen once in a fresh-clone run under load, round 26)."""
     import psutil
 
     try:
@@ -79,6 +81,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
             p.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
+
+    def gone(p) -> bool:  # a zombie writes nothing (nobody may reap it here: PID 1 of a container)
+        try:
+            return p.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.time() + 60
+    while not all(gone(p) for p in group):
+        assert time.time() < deadline, f"processes survived SIGKILL: {[p for p in group if not gone(p)]}"
+        time.sleep(0.01)
 
 
 def test_two_processes_killed_and_resumed_on_one_match_one_process(tmp_path):
