@@ -24,6 +24,13 @@ calibration prompts (GSM8K train + HumanEval from ../shared/data, never the benc
   (``Drafter.for_merging``): where the union runs the head alone, the head drafts its own tree,
   during calibration too.
 
+  With ``--temperature T`` (> 0) the race runs sampled generation at T (plain and speculative
+  with the same seed) over a grid of chains and small sampled trees (at T > 0 a second sampled
+  child catches part of what the first misses, so a wider tree can pay where it does not greedy),
+  and the choice is stored as the tree of the steps the head drafts alone at T > 0
+  (``extra.options_sampled_by_dtype``, ``Drafter.for_sampling``); greedy steps keep the head's own
+  tree, and a union's merged steps the tree calibrated ``--within``.
+
 The choice and the measurements are written into the checkpoint (``drafter.json``) per target
 dtype (``--dtype``; bf16 and fp32 verify costs differ), so ``selfspec.load_drafter`` uses the tree
 calibrated for the dtype the target was loaded in.
@@ -36,6 +43,7 @@ import json
 import os
 import platform
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -105,6 +113,9 @@ def main(argv=None) -> None:
     ap.add_argument("--within", default=None, metavar="SPEC",
                     help="eagle3: calibrate the head's tree as a member of the union with SPEC (e.g. ngram) and "
                          "store it as its tree inside unions")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="eagle3: race the tree of sampled steps at this temperature (> 0; stored apart)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (--temperature)")
     ap.add_argument("--dry-run", action="store_true", help="print the choice, leave the checkpoint as it is")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -113,6 +124,13 @@ def main(argv=None) -> None:
     meta, _ = read_checkpoint(args.checkpoint)
     if args.within and drafter.kind != "eagle3":
         raise SystemExit(f"--within calibrates eagle3 heads inside a union, not {drafter.kind} drafters")
+    if args.temperature < 0:
+        raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
+    sampled = args.temperature > 0
+    if sampled and (drafter.kind != "eagle3" or args.within):
+        raise SystemExit("--temperature calibrates the tree an eagle3 head drafts alone at T > 0 (not with "
+                         f"--within, not for {drafter.kind} drafters): a union's merged steps keep their greedy-"
+                         "calibrated tree")
     if args.prompts is None:
         args.prompts = 24 if drafter.kind == "eagle3" else 8
     texts = calibration_prompts(SHARED, args.prompts)
@@ -161,17 +179,26 @@ def main(argv=None) -> None:
         if weights == "auto":
             weights = "int8" if drafter.with_options(head_weights="int8").run_head.lm_head.kernel else "native"
         grid = [dict(max_depth=d, width=1, branch=1, max_nodes=d) for d in (2, 3, 4, 5)]
-        grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in ((4, 2, 6), (5, 3, 8), (6, 4, 12))]
+        if sampled:  # sampled trees draw level by level: (depth, width, nodes) 2/2/4 is two children
+            # of the root and one of each, 3/2/5 one more level with one child
+            shapes = ((2, 2, 3), (2, 2, 4), (3, 2, 5), (3, 2, 6))
+        else:
+            shapes = ((4, 2, 6), (5, 3, 8), (6, 4, 12))
+        grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in shapes]
         grid = [g | {"head_weights": weights} for g in grid if g["max_nodes"] <= args.max_nodes]
         def make(i):  # noqa: E306  (a fresh drafter, and a fresh union, per grid entry)
+            if sampled:  # the tree of T > 0 steps; greedy steps keep the head's own
+                return drafter.for_sampling(grid[i])
             if args.within is None:
                 return drafter.with_options(**grid[i])
             # inside a union the entry is the tree of merged steps; the head alone keeps its own
             member = drafter.for_merging(grid[i])
             return UnionDrafter([member, union_member(drafter_from_spec(model, args.within, args.target, tok))])
 
+        gen = dict(temperature=args.temperature, seed=args.seed) if sampled else {}
+
         def measure(keys, some):  # noqa: E306
-            got = measured_speedups(model, make, some, keys)
+            got = measured_speedups(model, make, some, keys, **gen)
             print(f"  race: {len(some)} prompts, entries {keys}: "
                   + ", ".join(f"{k}: {sum(v) / len(v):.3f}x" for k, v in got.items()), flush=True)
             return got
@@ -182,7 +209,8 @@ def main(argv=None) -> None:
             print(f"  {g}: {speedups[i]:.3f}x" + (f" over the {out} prompts it ran (then out)" if out
                                                    else f" over {rounds[-1]['prompts']} prompts (left at the end)"))
         print(f"race: {[(r['prompts'], r['left']) for r in rounds]}")
-        drafter = drafter.with_options(**grid[chosen])
+        drafter = drafter.for_sampling(grid[chosen]) if sampled else drafter.with_options(**grid[chosen])
+        record |= {"temperature": args.temperature, "seed": args.seed} if sampled else {}
         record |= {"grid": grid, "measured_speedup": [speedups[i] for i in range(len(grid))], "chosen": grid[chosen],
                    "race": rounds, "within": args.within}
         print(f"chosen {grid[chosen]}" + ("" if speedups[chosen] > 1.0 else " (nothing beat plain decoding here)"))
@@ -192,6 +220,13 @@ def main(argv=None) -> None:
         return
     extra = meta.setdefault("extra", {})
     options = {k: v for k, v in drafter.config_dict().items() if k in TREE_OPTIONS}
+    if sampled:  # the tree of T > 0 steps drafted alone; the head's own tree is left as it is
+        options = {k: v for k, v in asdict(drafter.sampled_cfg).items() if k in TREE_OPTIONS}
+        extra.setdefault("calibration_sampled_by_dtype", {})[args.dtype] = json.loads(json.dumps(record))
+        extra.setdefault("options_sampled_by_dtype", {})[args.dtype] = options
+        atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
+        print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} (tree of sampled steps, {args.dtype})")
+        return
     if args.within is not None:  # the tree inside unions; the head's own tree is left as it is
         extra.setdefault("calibration_in_union_by_dtype", {})[args.dtype] = json.loads(json.dumps(record))
         extra.setdefault("options_in_union_by_dtype", {})[args.dtype] = options

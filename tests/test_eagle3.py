@@ -236,17 +236,27 @@ def _counts(model, cfg, drafter, n=SAMPLES):
 
 
 def _sampling_drafter(model, head_weights="native"):
-    """Draft vocabulary of 5 of the 6 tokens: one token always has q = 0."""
-    d = build_drafter(model, "eagle3", draft_vocab_size=5, width=3, branch=2, max_depth=2, max_nodes=6,
+    """Draft vocabulary of 5 of the 6 tokens: one token always has q = 0. Its own tree is a chain of
+    one; the sampled tree (2 children of the root, 3 nodes below: ``for_sampling``, the
+    tree ``scripts/calibrate.py --temperature`` stores) is what T > 0 steps draft."""
+    d = build_drafter(model, "eagle3", draft_vocab_size=5, width=1, branch=1, max_depth=1, max_nodes=1,
                       head_weights=head_weights)
-    return _randomise(d, seed=2, scale=0.5)
+    return _randomise(d, seed=2, scale=0.5).for_sampling(dict(width=3, branch=2, max_depth=2, max_nodes=6))
 
 
-def test_sampled_children_keep_the_target_law():
+def test_sampled_children_keep_the_target_law(monkeypatch):
     model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
     drafter = _sampling_drafter(model, "native")
+    widest, real_verify = [0], verify_mod._verify_sampled
+
+    def spy(tree, probs, gen):  # the sampled tree (2 root children: branch 2), not the own chain of 1
+        widest[0] = max(widest[0], int((tree.parents[1:] == 0).sum()))
+        return real_verify(tree, probs, gen)
+
+    monkeypatch.setattr(verify_mod, "_verify_sampled", spy)
     ok, msg = chi_square_ok(_exact_law(model, cfg), _counts(model, cfg, drafter), n=SAMPLES)
     assert ok, msg
+    assert widest[0] == 2
 
 
 def test_int8_children_are_drawn_from_the_law_they_record(monkeypatch):
@@ -421,6 +431,59 @@ def test_tree_calibrated_inside_unions_is_used_there_only(tmp_path):
     out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=12)
     assert torch.equal(out.sequences, selfspec.generate(model, PROMPT, max_new_tokens=12).sequences)
     meta["extra"]["options_in_union_by_dtype"]["float64"] = {"max_depth": 3, "draft_vocab_size": 8}
+    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="cannot change"):
+        load_drafter(tmp_path / "d", model)
+
+
+def test_tree_calibrated_for_sampling_is_used_at_t_above_zero_only(tmp_path):
+    """``extra.options_sampled_by_dtype`` (scripts/calibrate.py --temperature) is the tree of the
+    steps the head drafts alone at T > 0; greedy steps keep the head's own tree (and stay
+    token-identical to plain greedy), a union's merged steps the union tree; ``@`` options apply to
+    every tree; drafters without per-call trees refuse one."""
+    import json
+    from dataclasses import replace
+
+    from selfspec.checkpoint import CONFIG_FILE
+    from selfspec.drafters import drafter_from_spec
+    from selfspec.drafters.base import DraftContext
+
+    model = tiny_model("llama", layers=5)
+    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32, max_depth=2, width=1, branch=1,
+                                       max_nodes=2))
+    save_drafter(drafter, tmp_path / "d")
+    meta = json.loads((tmp_path / "d" / CONFIG_FILE).read_text())
+    meta["extra"] = {"options_sampled_by_dtype": {"float64": {"max_depth": 2, "width": 2, "branch": 2, "max_nodes": 4},
+                                                  "bfloat16": {"max_depth": 5}},
+                     "options_in_union_by_dtype": {"float64": {"max_depth": 3, "width": 1, "branch": 1, "max_nodes": 3}}}
+    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
+    head = load_drafter(tmp_path / "d", model)
+    assert (head.cfg.width, head.cfg.max_nodes) == (1, 2)
+    assert (head.sampled_cfg.width, head.sampled_cfg.max_nodes, head.sampled_cfg.max_depth) == (2, 4, 2)
+    ids = PROMPT[0]
+    shapes = {}
+    for name, sampling in (("greedy", SamplingConfig(0.0)), ("sampled", SamplingConfig(0.9, top_k=4))):
+        head.reset()
+        ctx = DraftContext(ids, None, 8, sampling, torch.Generator().manual_seed(0),
+                           features=TreeTarget(model, taps=head.taps).prefill(ids).taps)
+        tree = head.propose(ctx)
+        shapes[name] = (tree.num_nodes - 1, int((tree.parents[1:] == 0).sum()))
+        if name == "sampled":  # merged steps: the union tree (sampled, as the union's anchor)
+            merged = head.for_merging(meta["extra"]["options_in_union_by_dtype"]["float64"])
+            assert head.tree_config(replace(ctx, merged=True)) is head.cfg  # (no union tree on its own)
+            assert merged.tree_config(replace(ctx, merged=True)).max_nodes == 3
+            assert merged.tree_config(ctx).max_nodes == 4  # the sampled tree survives for_merging
+    assert shapes == {"greedy": (2, 1), "sampled": (4, 2)}, shapes
+    union = drafter_from_spec(model, f"{tmp_path / 'd'}+ngram")
+    assert union.members[0].sampled_cfg.max_nodes == 4 and union.members[0].merge_cfg.max_nodes == 3
+    changed = drafter_from_spec(model, f"{tmp_path / 'd'}@max_nodes=3")
+    assert changed.cfg.max_nodes == 3 and changed.sampled_cfg.max_nodes == 3 and changed.sampled_cfg.width == 2
+    reference = model.generate(PROMPT, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    out = selfspec.generate(model, PROMPT, drafter=head, max_new_tokens=30, adaptive=False)
+    assert torch.equal(out.sequences, reference)
+    with pytest.raises(ValueError, match="no separate tree"):
+        build_drafter(model, "ngram").for_sampling({"max_nodes": 4})
+    meta["extra"]["options_sampled_by_dtype"]["float64"] = {"taps": [0, 1, 2]}
     (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="cannot change"):
         load_drafter(tmp_path / "d", model)

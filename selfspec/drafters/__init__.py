@@ -68,6 +68,9 @@ def load_drafter(path, model) -> Drafter:
         options = (meta.get("extra") or {}).get("options_by_dtype", {}).get(dtype)
         if options:
             drafter = drafter.with_options(**options)
+        sampled_options = (meta.get("extra") or {}).get("options_sampled_by_dtype", {}).get(dtype)
+        if sampled_options:  # the tree of T > 0 steps drafted alone (scripts/calibrate.py --temperature)
+            drafter = drafter.for_sampling(sampled_options)
         union_options = (meta.get("extra") or {}).get("options_in_union_by_dtype", {}).get(dtype)
         if union_options:
             drafter.with_options(**union_options)  # refused here, at load time, if invalid

@@ -181,6 +181,14 @@ class Drafter(ABC):
         own, as it should)."""
         return self.with_options(**options)
 
+    def for_sampling(self, options: dict) -> "Drafter":
+        """This drafter with the tree ``options`` for the steps it drafts alone at temperature > 0
+        (a checkpoint's tree calibrated at T > 0, ``scripts/calibrate.py --temperature``) and its
+        own tree for greedy steps: at T > 0 a sampled child is accepted with probability
+        1 - TV(p, q) instead of 0 or 1, so a wider tree can pay where it does not at T = 0.
+        Default: refused (a drafter without per-call tree shapes cannot hold two trees)."""
+        raise ValueError(f"{self.kind} drafters have no separate tree for sampled steps")
+
     def check_target(self, model) -> None:
         """Raise ``ValueError`` when this drafter was built for another model."""
         if self.signature is not None:

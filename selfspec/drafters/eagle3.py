@@ -19,6 +19,9 @@ draw (the best ``width`` (parent, rank) slots within the node budget), and each 
 children are drawn without replacement from q (the target's temperature / top-k / top-p applied to
 the draft logits over the full vocabulary; tokens outside the draft vocabulary have q = 0) and
 recorded as ``Law.WOR`` with q, so the number of draws never depends on the draws themselves.
+A drafter holds up to three tree configurations, chosen per step (:meth:`Eagle3Drafter.tree_config`):
+its own (``cfg``), the tree of a union's merged steps (``merge_cfg``) and the tree of steps it
+drafts alone at T > 0 (``sampled_cfg``, calibrated at a temperature), all run by one head.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class Eagle3Drafter(Drafter):
         super().__init__(signature or TargetSignature.of(model))
         self.model, self.cfg, self.head = model, cfg, head.eval()
         self.merge_cfg: Eagle3Config | None = None  # the tree of a union's merged steps (for_merging)
+        self.sampled_cfg: Eagle3Config | None = None  # the tree of T > 0 steps drafted alone (for_sampling)
         self.embed = model.get_input_embeddings()
         self.taps = tuple(cfg.taps)
         self._draft_ids = head.draft_ids if head.draft_ids.is_meta else head.draft_ids.to("cpu")
@@ -134,9 +138,29 @@ class Eagle3Drafter(Drafter):
             raise ValueError(f"unknown eagle3 drafter options {sorted(unknown)}")
         other = Eagle3Drafter(self.model, Eagle3Config(**(asdict(self.cfg) | options)), self.head, self.signature)
         other.checkpoint_meta = getattr(self, "checkpoint_meta", None)
-        if self.merge_cfg is not None:  # (e.g. sampled=False for a union: both trees)
+        if self.merge_cfg is not None:  # (e.g. sampled=False for a union: every tree)
             other.merge_cfg = Eagle3Config(**(asdict(self.merge_cfg) | options))
+        if self.sampled_cfg is not None:
+            other.sampled_cfg = Eagle3Config(**(asdict(self.sampled_cfg) | options))
         return other
+
+    def for_sampling(self, options: dict) -> "Eagle3Drafter":
+        """A drafter sharing this head that drafts the tree of ``options`` in the steps it drafts
+        alone at temperature > 0 (not in a union's merged steps, which keep :attr:`merge_cfg`) and
+        its own tree in greedy steps. ``head_weights`` is not a tree option: given here, it
+        applies to every tree (one head runs them all)."""
+        other = self.with_options(**{k: v for k, v in options.items() if k == "head_weights"})
+        other.sampled_cfg = self.with_options(**options).cfg
+        return other
+
+    def tree_config(self, ctx: DraftContext) -> Eagle3Config:
+        """The tree options of this step: in a union's merged steps :attr:`merge_cfg` (where set,
+        else :attr:`cfg`), alone :attr:`sampled_cfg` at temperature > 0 (where set), else :attr:`cfg`."""
+        if ctx.merged:
+            return self.merge_cfg or self.cfg
+        if self.sampled_cfg is not None and not ctx.sampling.greedy:
+            return self.sampled_cfg
+        return self.cfg
 
     def for_merging(self, options: dict) -> "Eagle3Drafter":
         """A drafter sharing this head that drafts its own tree when alone and the tree of
@@ -203,7 +227,7 @@ class Eagle3Drafter(Drafter):
         root_out = self.catch_up(ctx.tokens, ctx.features)
         if root_out is None or ctx.max_depth < 1:
             return DraftTree.root_only(ctx.root_token)
-        cfg = self.merge_cfg if ctx.merged and self.merge_cfg is not None else self.cfg
+        cfg = self.tree_config(ctx)
         sampled = cfg.sampled and not ctx.sampling.greedy
         try:
             return self._sampled_tree(ctx, root_out, cfg) if sampled else self._greedy_tree(ctx, root_out, cfg)

@@ -185,28 +185,31 @@ def _clearly_worse(a: list[float], b: list[float]) -> bool:
     return mean + t * math.sqrt(var / len(diff)) < 0
 
 
-def measured_runs(model, make, prompts: list[torch.Tensor], keys: list, max_new_tokens: int = 64) -> dict:
+def measured_runs(model, make, prompts: list[torch.Tensor], keys: list, max_new_tokens: int = 64, **gen) -> dict:
     """``{key: [Comparison per prompt]}``: ``make(key)`` builds each key's drafter once (used on
     every prompt in turn); per prompt, every key runs in turn, in an order rotated from prompt to
     prompt, and each run alternates plain and speculative decoding (see
     :func:`selfspec.measurement.measure.compare`). Interleaved so: a burst of load on a shared
     machine lasts seconds, and measured key by key it fell on every prompt of one key (round 23
-    saw one entry at 1.25x on four prompts where it ran 1.53x in the race before)."""
+    saw one entry at 1.25x on four prompts where it ran 1.53x in the race before). ``gen``: more
+    arguments of ``generate`` (``temperature``, ``seed``: a sampled race)."""
     from .measure import compare
 
     drafters = {key: make(key) for key in keys}
     out: dict = {key: [] for key in keys}
     for i, ids in enumerate(prompts):
         for key in keys[i % len(keys):] + keys[: i % len(keys)]:
-            out[key].append(compare(model, ids, drafters[key], max_new_tokens=max_new_tokens, adaptive=False))
+            out[key].append(compare(model, ids, drafters[key], max_new_tokens=max_new_tokens, adaptive=False,
+                                    **gen))
     return out
 
 
-def measured_speedups(model, make, prompts: list[torch.Tensor], keys: list, max_new_tokens: int = 64) -> dict:
+def measured_speedups(model, make, prompts: list[torch.Tensor], keys: list, max_new_tokens: int = 64,
+                      **gen) -> dict:
     """``{key: [speedup on each prompt]}`` from :func:`measured_runs`."""
     from .measure import pooled_speedup
 
-    runs = measured_runs(model, make, prompts, keys, max_new_tokens)
+    runs = measured_runs(model, make, prompts, keys, max_new_tokens, **gen)
     return {key: [pooled_speedup([run]) for run in runs[key]] for key in keys}
 
 
