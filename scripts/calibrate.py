@@ -176,7 +176,12 @@ def main(argv=None) -> None:
         print(f"chosen max_nodes: {chosen}" + ("" if best else " (nothing beat plain decoding here)"))
     elif drafter.kind == "eagle3":
         weights = args.head_weights
-        if weights == "auto":
+        if sampled and weights != "auto":
+            raise SystemExit("--head-weights applies to every tree of the head (one head runs them all): "
+                             "calibrate it greedy; --temperature races tree shapes with the head's own weights")
+        if sampled:
+            weights = drafter.cfg.head_weights
+        elif weights == "auto":
             weights = "int8" if drafter.with_options(head_weights="int8").run_head.lm_head.kernel else "native"
         grid = [dict(max_depth=d, width=1, branch=1, max_nodes=d) for d in (2, 3, 4, 5)]
         if sampled:  # sampled trees draw level by level: (depth, width, nodes) 2/2/4 is two children
@@ -221,7 +226,7 @@ def main(argv=None) -> None:
     extra = meta.setdefault("extra", {})
     options = {k: v for k, v in drafter.config_dict().items() if k in TREE_OPTIONS}
     if sampled:  # the tree of T > 0 steps drafted alone; the head's own tree is left as it is
-        options = {k: v for k, v in asdict(drafter.sampled_cfg).items() if k in TREE_OPTIONS}
+        options = {k: v for k, v in asdict(drafter.sampled_cfg).items() if k in TREE_OPTIONS and k != "head_weights"}
         extra.setdefault("calibration_sampled_by_dtype", {})[args.dtype] = json.loads(json.dumps(record))
         extra.setdefault("options_sampled_by_dtype", {})[args.dtype] = options
         atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")

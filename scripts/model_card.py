@@ -135,6 +135,17 @@ def _calibration_lines(extra: dict) -> list[str]:
                 lines.append(f"  measured speedup of the union with `{record.get('within')}` over plain decoding: " + "; ".join(
                     f"{g['max_depth']}/{g['width']}/{g['max_nodes']} {v:.2f}x"
                     for g, v in zip(record["grid"], record["measured_speedup"])))
+        for dtype, opts in extra.get("options_sampled_by_dtype", {}).items():
+            record = extra.get("calibration_sampled_by_dtype", {}).get(dtype, {})
+            lines.append(f"- {dtype}, steps drafted alone at T > 0 (`--temperature {record.get('temperature', '?')}`)"
+                         f"{where(record)}: {opts}")
+            if "grid" in record:
+                lines.append(f"  measured speedup over plain decoding at T={record.get('temperature')} (sampled children; "
+                             "entries out of the race early ran fewer prompts): " + "; ".join(
+                                 f"{g['max_depth']}/{g['width']}/{g['max_nodes']} {v:.2f}x"
+                                 for g, v in zip(record["grid"], record["measured_speedup"])))
+            if record.get("head_weights_note"):
+                lines.append(f"  ({record['head_weights_note']})")
         return lines + [""]
     c = extra.get("calibration")
     if not c:
