@@ -8,7 +8,9 @@ share of steps in which the member's rank-r child of an accepted depth-(d-1) nod
 starts optimistic, at 2/3, verifies what its members propose and learns within a few steps). Nodes proposed by several
 members take the best value. The union keeps the highest-value nodes (ancestors first; a path
 value never exceeds its parent's) while the value is at least ``min_value`` and within
-``max_nodes`` (default: the largest member's own node budget, e.g. its calibrated tree): weak
+``max_nodes`` (default: the largest ``cfg.max_nodes`` of the members, e.g. a head's calibrated
+tree, where a member without a ``cfg`` counts as 16: prompt lookup keeps its options in ``config``,
+so ``eagle3+ngram`` budgets 16 nodes, as every union result so far was measured): weak
 nodes of one member no longer crowd out a strong member's draft, and nodes
 that would rarely be accepted are not verified at all, so the union does not pay for them. A
 member whose best depth-1 node is worth less than ``min_value`` is not even asked for its tree in
@@ -134,7 +136,8 @@ class UnionDrafter(Drafter):
     Args:
         members: the drafters (the first that samples is the anchor; the others' sampled trees
             are asked for as point-mass trees in merged steps).
-        max_nodes: node budget of a merged tree (default: the largest member's).
+        max_nodes: node budget of a merged tree (default: the largest member ``cfg.max_nodes``,
+            16 for a member without a ``cfg``; see the module docstring).
         min_value: merged nodes whose estimated acceptance is below it are not verified.
         decay: decay of a member's acceptance counts per step that asks it.
         probe_every: at most one step in this many probes an arm other than the best; each arm
