@@ -32,8 +32,12 @@ calibration prompts (GSM8K train + HumanEval from ../shared/data, never the benc
   tree, and a union's merged steps the tree calibrated ``--within``.
 
 The choice and the measurements are written into the checkpoint (``drafter.json``) per target
-dtype (``--dtype``; bf16 and fp32 verify costs differ), so ``selfspec.load_drafter`` uses the tree
-calibrated for the dtype the target was loaded in.
+dtype and class of CPU (``--dtype``; keys such as ``bfloat16@amx``,
+``selfspec.measurement.machine.machine_key``: a bf16 tree pass of 16 nodes costs 1.3 decode steps
+with AMX and about 1.6 with avx512_bf16 alone, float32 ones differ as much between AVX2 and
+AVX-512), so ``selfspec.load_drafter`` uses the tree calibrated for the dtype the target was loaded
+in on this class of machine, else the one calibrated for that dtype elsewhere (entries of rounds
+before CPU classes are keyed by the bare dtype).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.checkpoint import CONFIG_FILE, atomic_write_text, read_checkpoint  # noqa: E402
 from selfspec.drafters import UnionDrafter, drafter_from_spec, load_drafter, union_member  # noqa: E402
 from selfspec.measurement.workloads import calibration_prompts, heldout_chat_prompts  # noqa: E402
-from selfspec.measurement.machine import cpu_label  # noqa: E402
+from selfspec.measurement.machine import cpu_label, machine_key  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 #: options a calibration may change (tree shape, never the weights' shape)
@@ -188,7 +192,8 @@ def main(argv=None) -> None:
             # of the root and one of each, 3/2/5 one more level with one child
             shapes = ((2, 2, 3), (2, 2, 4), (3, 2, 5), (3, 2, 6))
         else:
-            shapes = ((4, 2, 6), (5, 3, 8), (6, 4, 12))
+            shapes = ((4, 2, 6), (5, 3, 8), (6, 4, 12), (6, 4, 16))  # 16 nodes: where a tree pass
+            # costs little more than a step (bf16 with AMX: 1.3 steps)
         grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in shapes]
         grid = [g | {"head_weights": weights} for g in grid if g["max_nodes"] <= args.max_nodes]
         def make(i):  # noqa: E306  (a fresh drafter, and a fresh union, per grid entry)
@@ -224,27 +229,28 @@ def main(argv=None) -> None:
     if args.dry_run:
         return
     extra = meta.setdefault("extra", {})
+    key = machine_key(args.dtype, next(model.parameters()).device)  # e.g. "bfloat16@amx"
     options = {k: v for k, v in drafter.config_dict().items() if k in TREE_OPTIONS}
     if sampled:  # the tree of T > 0 steps drafted alone; the head's own tree is left as it is
         options = {k: v for k, v in asdict(drafter.sampled_cfg).items() if k in TREE_OPTIONS and k != "head_weights"}
-        extra.setdefault("calibration_sampled_by_dtype", {})[args.dtype] = json.loads(json.dumps(record))
-        extra.setdefault("options_sampled_by_dtype", {})[args.dtype] = options
+        extra.setdefault("calibration_sampled_by_dtype", {})[key] = json.loads(json.dumps(record))
+        extra.setdefault("options_sampled_by_dtype", {})[key] = options
         atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
-        print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} (tree of sampled steps, {args.dtype})")
+        print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} (tree of sampled steps, {key})")
         return
     if args.within is not None:  # the tree inside unions; the head's own tree is left as it is
-        extra.setdefault("calibration_in_union_by_dtype", {})[args.dtype] = json.loads(json.dumps(record))
-        extra.setdefault("options_in_union_by_dtype", {})[args.dtype] = options
+        extra.setdefault("calibration_in_union_by_dtype", {})[key] = json.loads(json.dumps(record))
+        extra.setdefault("options_in_union_by_dtype", {})[key] = options
         atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
-        print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} (tree inside unions, {args.dtype})")
+        print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} (tree inside unions, {key})")
         return
-    extra.setdefault("calibration_by_dtype", {})[args.dtype] = json.loads(json.dumps(record))
-    extra.setdefault("options_by_dtype", {})[args.dtype] = options
+    extra.setdefault("calibration_by_dtype", {})[key] = json.loads(json.dumps(record))
+    extra.setdefault("options_by_dtype", {})[key] = options
     if args.dtype == "float32":  # the weights are unchanged: rewrite drafter.json only
         meta["config"] = drafter.config_dict()
         extra["calibration"] = json.loads(json.dumps(record))
     atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
-    print(f"stored in {Path(args.checkpoint) / CONFIG_FILE}")
+    print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} ({key})")
 
 
 if __name__ == "__main__":

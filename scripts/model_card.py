@@ -116,7 +116,10 @@ def _calibration_lines(extra: dict) -> list[str]:
     lines = []
     calib = extra.get("options_by_dtype", {})
     if calib:
-        lines += ["## Calibrated trees (`scripts/calibrate.py --dtype ...`, on the CPU named per tree)", ""]
+        lines += ["## Calibrated trees (`scripts/calibrate.py --dtype ...`, on the CPU named per tree)", "",
+                  "Keyed `dtype@class` (class of CPU kernels: `amx`, `avx512_bf16`, `avx512`, `avx2`): `load_drafter` "
+                  "uses the entry of the machine's class, else the bare dtype's (calibrated before classes were "
+                  "kept apart, on the CPU named).", ""]
 
         def where(record: dict) -> str:  # the CPU a tree was measured on (older records: none)
             return f" (on {record['cpu']})" if record.get("cpu") else ""

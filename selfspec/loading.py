@@ -189,7 +189,9 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
             it was measured; plain decoding runs transformers' own path either way.
         skinny: compute float32 products of 2-16 rows (tree passes) with the weight as the left
             operand (:mod:`selfspec.skinny_linear`; one row, a plain step, is unchanged). Default:
-            for a float32 model on a CPU, where it was measured; ``True`` elsewhere raises.
+            for a float32 model on a CPU with AVX2 but no AVX-512, where it was measured faster
+            (``skinny_pays``; with AVX-512 it was measured slower); ``True`` forces it on any CPU,
+            and raises for other dtypes or devices.
 
     Returns:
         ``(model, tokenizer)`` with the model in eval mode.
@@ -209,7 +211,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
     if prepack and not available:
         raise ValueError(f"prepack=True needs a bfloat16 model on a CPU with native bf16 matmuls and oneDNN; "
                          f"got {str(dtype).removeprefix('torch.')} on {device}")
-    from .skinny_linear import skinny_available, use_skinny_linears
+    from .skinny_linear import skinny_available, skinny_pays, use_skinny_linears
 
     if skinny and not skinny_available(dtype, device):
         raise ValueError(f"skinny=True needs a float32 model on a CPU; got {str(dtype).removeprefix('torch.')} on {device}")
@@ -232,7 +234,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
     model = model.to(device).eval()
     if available and prepack is not False:
         prepack_linears(model)
-    if skinny_available(dtype, device) and skinny is not False:
+    if skinny or (skinny is None and skinny_pays(dtype, device)):
         use_skinny_linears(model)
     if packed_attention if packed_attention is not None else torch.device(device).type == "cpu":
         from .attention import use_packed_attention

@@ -287,3 +287,21 @@ def test_race_entries_are_interleaved_prompt_by_prompt(monkeypatch):
     assert made == ["a", "b", "c"] and out == {k: [1.0, 1.0, 1.0] for k in "abc"}
     assert calls == [("da", 10), ("db", 10), ("dc", 10), ("db", 11), ("dc", 11), ("da", 11),
                      ("dc", 12), ("da", 12), ("db", 12)]
+
+
+def test_calibrations_are_looked_up_for_this_class_of_machine_first():
+    """``dtype@class`` entries (scripts/calibrate.py since round 28) win over the bare dtype's
+    (earlier rounds, another CPU), which is the fallback; other dtypes and classes are ignored."""
+    from selfspec.measurement.machine import cpu_class, for_machine, machine_key
+
+    amx = {"flags": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]}
+    zen4 = {"flags": ["avx2", "avx512f", "avx512_bf16"]}
+    zen3 = {"flags": ["avx2"]}
+    assert [cpu_class(c) for c in (amx, zen4, zen3, {"flags": []})] == ["amx", "avx512_bf16", "avx2", "other"]
+    assert machine_key("bfloat16", "cpu", amx) == "bfloat16@amx"
+    assert machine_key("bfloat16", "cuda", amx) == "bfloat16@cuda"
+    table = {"bfloat16": {"max_nodes": 6}, "bfloat16@amx": {"max_nodes": 16}, "float32@avx2": {"max_nodes": 3}}
+    assert for_machine(table, "bfloat16", "cpu", amx) == {"max_nodes": 16}
+    assert for_machine(table, "bfloat16", "cpu", zen4) == {"max_nodes": 6}
+    assert for_machine(table, "float32", "cpu", zen3) == {"max_nodes": 3}
+    assert for_machine(table, "float32", "cpu", amx) is None and for_machine(None, "float32") is None

@@ -489,6 +489,31 @@ def test_tree_calibrated_for_sampling_is_used_at_t_above_zero_only(tmp_path):
         load_drafter(tmp_path / "d", model)
 
 
+def test_load_drafter_prefers_the_tree_calibrated_on_this_class_of_machine(tmp_path):
+    """A ``dtype@class`` entry (this machine's class) is the tree loaded; the bare dtype's entry
+    (another machine, earlier rounds) only where there is none; another class's is ignored."""
+    import json
+
+    from selfspec.checkpoint import CONFIG_FILE
+    from selfspec.measurement.machine import machine_key
+
+    model = tiny_model("llama", layers=5)
+    save_drafter(build_drafter(model, "eagle3", draft_vocab_size=32, max_depth=2, width=1, branch=1, max_nodes=2),
+                 tmp_path / "d")
+    meta = json.loads((tmp_path / "d" / CONFIG_FILE).read_text())
+    here, other = machine_key("float64", "cpu"), ("float64@avx2" if machine_key("float64", "cpu") != "float64@avx2"
+                                                  else "float64@amx")
+    for table, want in (({"float64": {"max_nodes": 3}}, 3),
+                        ({"float64": {"max_nodes": 3}, here: {"max_nodes": 4}}, 4),
+                        ({"float64": {"max_nodes": 3}, other: {"max_nodes": 5}}, 3),
+                        ({other: {"max_nodes": 5}}, 2)):
+        meta["extra"] = {"options_by_dtype": table, "options_sampled_by_dtype": table}
+        (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
+        head = load_drafter(tmp_path / "d", model)
+        sampled = head.sampled_cfg or head.cfg  # (none where no entry applies)
+        assert head.cfg.max_nodes == want and sampled.max_nodes == want, (table, want)
+
+
 def test_bad_options_are_refused():
     model = tiny_model("llama", layers=5)
     with pytest.raises(ValueError, match="unknown eagle3"):

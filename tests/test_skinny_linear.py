@@ -126,3 +126,14 @@ def test_skinny_applies_to_float32_on_cpu_only():
     assert not skinny_available(torch.bfloat16, "cpu") and not skinny_available(torch.float32, "cuda")
     with pytest.raises(ValueError, match="skinny=True needs a float32 model on a CPU"):
         selfspec.load_target("/nonexistent/model", dtype="bfloat16", skinny=True)
+
+
+def test_skinny_is_the_default_only_where_it_was_measured_faster():
+    """AVX2 without AVX-512 (round 24's EPYC): on by default; AVX-512 or AMX (round 28's Xeon,
+    where it was measured slower): off unless asked for; never for bf16 or on a GPU."""
+    from selfspec.skinny_linear import skinny_pays
+
+    avx2, avx512, amx = ({"flags": f} for f in (["avx2"], ["avx2", "avx512f"], ["avx2", "avx512f", "amx_bf16"]))
+    assert skinny_pays(torch.float32, "cpu", avx2)
+    assert not skinny_pays(torch.float32, "cpu", avx512) and not skinny_pays(torch.float32, "cpu", amx)
+    assert not skinny_pays(torch.bfloat16, "cpu", avx2) and not skinny_pays(torch.float32, "cuda", avx2)

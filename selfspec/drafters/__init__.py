@@ -55,6 +55,7 @@ def load_drafter(path, model) -> Drafter:
     partial or corrupt, holds an unknown kind, or was made for another target.
     """
     from ..checkpoint import CheckpointError, check_target, read_checkpoint
+    from ..measurement.machine import for_machine
 
     meta, weights = read_checkpoint(path)
     kind = meta.get("kind")
@@ -63,15 +64,21 @@ def load_drafter(path, model) -> Drafter:
     check_target(meta, model, path)
     try:
         drafter = _CHECKPOINTS[kind][1](model, meta, weights)
-        # trees calibrated for this dtype on this machine (scripts/calibrate.py --dtype)
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        options = (meta.get("extra") or {}).get("options_by_dtype", {}).get(dtype)
+        # trees calibrated for this dtype on this class of machine (scripts/calibrate.py --dtype),
+        # else for this dtype on another machine
+        param = next(model.parameters())
+        dtype, extra = str(param.dtype).removeprefix("torch."), meta.get("extra") or {}
+
+        def calibrated(table):
+            return for_machine(extra.get(table), dtype, param.device)
+
+        options = calibrated("options_by_dtype")
         if options:
             drafter = drafter.with_options(**options)
-        sampled_options = (meta.get("extra") or {}).get("options_sampled_by_dtype", {}).get(dtype)
+        sampled_options = calibrated("options_sampled_by_dtype")
         if sampled_options:  # the tree of T > 0 steps drafted alone (scripts/calibrate.py --temperature)
             drafter = drafter.for_sampling(sampled_options)
-        union_options = (meta.get("extra") or {}).get("options_in_union_by_dtype", {}).get(dtype)
+        union_options = calibrated("options_in_union_by_dtype")
         if union_options:
             drafter.with_options(**union_options)  # refused here, at load time, if invalid
             drafter.union_options = dict(union_options)

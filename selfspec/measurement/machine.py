@@ -43,3 +43,43 @@ def cpu_label(identity: dict | None = None) -> str:
     c = identity or cpu_identity()
     flags = " ".join(c.get("flags") or []) or "no listed speed flags"
     return f"{c.get('model', '?')}, {c.get('cores', '?')} cores ({flags})"
+
+
+#: Kernel classes, fastest bf16 path first: what decides a dtype's cost curve (a decode step and a
+#: tree pass of n nodes) on a CPU. Measured here: bf16 tree passes of 1 / 8 / 16 nodes cost 28.7 /
+#: 33.0 / 37.0 ms with AMX (docs/results/r28_forward_cost_amx) against 48 / 85 / 77 ms with
+#: avx512_bf16 alone (round 9, the EAGLE-3 model card), and float32 products of 2-16 rows pay to run
+#: weight-first with AVX2 only (docs/results/r24_forward_cost_f32_avx2) but not with AVX-512.
+CPU_CLASSES = ("amx", "avx512_bf16", "avx512", "avx2", "other")
+
+
+def cpu_class(identity: dict | None = None) -> str:
+    """The coarse kernel class of this CPU (one of :data:`CPU_CLASSES`): ``"amx"`` (AMX-BF16
+    tiles), ``"avx512_bf16"`` (bf16 dot products without AMX), ``"avx512"``, ``"avx2"``, else
+    ``"other"``. Machines of one class share calibrated trees (:func:`machine_key`)."""
+    flags = set((identity or cpu_identity()).get("flags") or [])
+    if "amx_bf16" in flags:
+        return "amx"
+    for name in ("avx512_bf16", "avx512f", "avx2"):
+        if name in flags:
+            return name.removesuffix("f")
+    return "other"
+
+
+def machine_key(dtype: str, device="cpu", identity: dict | None = None) -> str:
+    """``"<dtype>@<class>"``: the key a calibration for ``dtype`` on this machine is stored under
+    (``"bfloat16@amx"``, ``"float32@avx2"``, ``"bfloat16@cuda"`` on a GPU). Readers look it up
+    first and fall back to the bare dtype (:func:`for_machine`)."""
+    import torch
+
+    kind = torch.device(device).type
+    return f"{dtype}@{cpu_class(identity) if kind == 'cpu' else kind}"
+
+
+def for_machine(table: dict | None, dtype: str, device="cpu", identity: dict | None = None):
+    """The entry of ``table`` (keyed as :func:`machine_key` writes, or by the bare dtype, as rounds
+    before CPU classes wrote) for ``dtype`` on this machine: the entry of this machine's class
+    where there is one, else the bare dtype's (a calibration from another CPU), else ``None``."""
+    table = table or {}
+    got = table.get(machine_key(dtype, device, identity))
+    return got if got is not None else table.get(dtype)
