@@ -33,9 +33,9 @@ calibration prompts (GSM8K train + HumanEval from ../shared/data, never the benc
 
 The choice and the measurements are written into the checkpoint (``drafter.json``) per target
 dtype and class of CPU (``--dtype``; keys such as ``bfloat16@amx``,
-``selfspec.measurement.machine.machine_key``: a bf16 tree pass of 16 nodes costs 1.3 decode steps
-with AMX and about 1.6 with avx512_bf16 alone, float32 ones differ as much between AVX2 and
-AVX-512), so ``selfspec.load_drafter`` uses the tree calibrated for the dtype the target was loaded
+``selfspec.measurement.machine.machine_key``: the verify cost curves differ by class, e.g. a bf16
+decode step 30 ms with AMX and 37 ms with avx512_bf16 alone, a 16-node pass 1.24 and 1.38 steps),
+so ``selfspec.load_drafter`` uses the tree calibrated for the dtype the target was loaded
 in on this class of machine, else the one calibrated for that dtype elsewhere (entries of rounds
 before CPU classes are keyed by the bare dtype).
 """
@@ -193,7 +193,7 @@ def main(argv=None) -> None:
             shapes = ((2, 2, 3), (2, 2, 4), (3, 2, 5), (3, 2, 6))
         else:
             shapes = ((4, 2, 6), (5, 3, 8), (6, 4, 12), (6, 4, 16))  # 16 nodes: where a tree pass
-            # costs little more than a step (bf16 with AMX: 1.3 steps)
+            # costs little more than a step (bf16 with AMX: 1.24 steps)
         grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in shapes]
         grid = [g | {"head_weights": weights} for g in grid if g["max_nodes"] <= args.max_nodes]
         def make(i):  # noqa: E306  (a fresh drafter, and a fresh union, per grid entry)

@@ -88,10 +88,14 @@ def bf16_is_fast(device: str = "cpu") -> bool:
 _BF16_FASTER: dict[str, bool] = {}
 
 
-def _decode_step_seconds(dtype, device: str, reps: int = 20) -> float:
-    """Seconds for ``reps`` decode-shaped steps of a small decoder layer (SmolLM2-135M's shapes:
-    RMSNorm, attention over 300 cached positions, SwiGLU MLP): matmuls *and* the elementwise work
-    around them, which is what decides bf16 on a CPU (a model runs ~30 such layers per LM head)."""
+def _decode_step_seconds(dtype, device: str, reps: int = 20, rows: int = 1, layers: int = 30,
+                         vocab: int = 49152) -> float:
+    """Seconds for ``reps`` decode-shaped passes over ``rows`` new tokens (1: a plain step; 8: a
+    verified draft tree) of a model of SmolLM2-135M's shapes: ``layers`` times a decoder layer
+    (RMSNorm, attention over 300 cached positions, SwiGLU MLP; matmuls *and* the elementwise work
+    around them, which is what decides bf16 on a CPU) plus an LM head over ``vocab`` tokens (the
+    largest product of a step: in float32 it reads twice the bytes). The layer and the head are
+    timed apart and summed."""
     import time
 
     g = torch.Generator().manual_seed(0)
@@ -99,13 +103,14 @@ def _decode_step_seconds(dtype, device: str, reps: int = 20) -> float:
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    x, wq, wk, wg, wu, wd = rand(1, 576), rand(576, 576), rand(192, 576), rand(1536, 576), rand(1536, 576), rand(576, 1536)
+    x, wq, wk, wg, wu, wd = rand(rows, 576), rand(576, 576), rand(192, 576), rand(1536, 576), rand(1536, 576), rand(576, 1536)
     kv, linear = rand(9, 300, 64), torch.nn.functional.linear
+    head = torch.full((vocab, 576), 0.02, device=device, dtype=dtype)  # (values do not change the time; randn costs ~0.3 s)
     from .prepack import PrepackedLinear, prepack_available
 
     if prepack_available(dtype, device):  # what load_target will run: weights packed once
         packed = {}
-        for w in (wq, wk, wg, wu, wd):
+        for w in (wq, wk, wg, wu, wd, head):
             layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
             layer.weight = torch.nn.Parameter(w, requires_grad=False)
             packed[id(w)] = PrepackedLinear.wrap(layer)
@@ -116,37 +121,52 @@ def _decode_step_seconds(dtype, device: str, reps: int = 20) -> float:
     def step(h):
         r = h
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
-        q, _ = linear(h, wq).view(9, 1, 64), linear(h, wk)
-        h = r + linear((torch.softmax(q @ kv.transpose(1, 2) / 8, -1) @ kv).reshape(1, 576), wq)
+        q, _ = linear(h, wq).view(rows, 9, 64).transpose(0, 1), linear(h, wk)
+        att = torch.softmax(q @ kv.transpose(1, 2) / 8, -1) @ kv  # [9, rows, 64]
+        h = r + linear(att.transpose(0, 1).reshape(rows, 576), wq)
         r = h
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
         return r + linear(torch.nn.functional.silu(linear(h, wg)) * linear(h, wu), wd)
 
-    for _ in range(3):  # warm-up
-        step(x)
-    t = time.perf_counter()
-    for _ in range(reps):
-        step(x)
-    return time.perf_counter() - t
+    def timed(fn, n):
+        for _ in range(2):  # warm-up
+            fn(x)
+        t = time.perf_counter()
+        for _ in range(n):
+            fn(x)
+        return (time.perf_counter() - t) / n
+
+    head_reps = max(1, reps // 4)
+    return reps * (layers * timed(step, reps) + timed(lambda h: linear(h, head), head_reps))
+
+
+#: Rows of the tree-shaped probe: a verified draft tree of the size calibrated trees use here.
+TREE_ROWS = 8
 
 
 def bf16_faster_here(device: str = "cpu") -> bool:
-    """Measured once per process: does a decode-shaped step (:func:`_decode_step_seconds`) run
-    faster in bfloat16 than in float32 here, by at least 20%? CPUs differ: on the AMD EPYC of
-    shared/docs/ENVIRONMENT.md bf16 decoding was 1.5x faster; on this Intel Xeon (AMX) bf16 matmuls
-    alone are faster but plain bf16 decoding measured 1.4x slower than float32 (docs/benchmarks.md),
-    and so does this step (1.2x), which is why it includes the elementwise work (a matmul-only
-    probe, the earlier version, picked bf16 here)."""
+    """Measured once per process: is bfloat16 the faster dtype here, for plain decoding or for
+    speculative decoding without costing plain decoding? Two shapes of
+    :func:`_decode_step_seconds` (a plain step, one row; a verified tree, :data:`TREE_ROWS` rows),
+    each interleaved best of three: bf16 where its plain step is at least 20% faster, or where it
+    is at most 5% slower (the probe's resolution) and its tree pass at least 20% faster. CPUs differ: on the AMD EPYC of
+    shared/docs/ENVIRONMENT.md (avx512_bf16) bf16 decoding was 1.5x faster; on an Intel Xeon with
+    AMX a prepacked bf16 step costs 0.91 of a float32 one and an 8-token tree pass 0.58
+    (docs/results/r28_forward_cost_amx: 28.7 / 33.0 ms against 31.7 / 57.3), so speculative
+    decoding, what selfspec is for, runs there in bf16 (before prepacking, plain bf16 decoding on
+    such a Xeon measured 1.4x slower than float32, which the plain-step condition still catches)."""
     key = str(device)
     if key not in _BF16_FASTER:
         if not bf16_is_fast(device):
             _BF16_FASTER[key] = False
         else:
-            best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+            best = {(d, n): float("inf") for d in (torch.float32, torch.bfloat16) for n in (1, TREE_ROWS)}
             for _ in range(3):  # interleaved, best of three: load spikes do not decide
-                for dtype in best:
-                    best[dtype] = min(best[dtype], _decode_step_seconds(dtype, key))
-            _BF16_FASTER[key] = best[torch.bfloat16] < 0.8 * best[torch.float32]
+                for dtype, rows in best:
+                    best[dtype, rows] = min(best[dtype, rows], _decode_step_seconds(dtype, key, rows=rows))
+            step = best[torch.bfloat16, 1] / best[torch.float32, 1]
+            tree = best[torch.bfloat16, TREE_ROWS] / best[torch.float32, TREE_ROWS]
+            _BF16_FASTER[key] = step < 0.8 or (step < 1.05 and tree < 0.8)
     return _BF16_FASTER[key]
 
 

@@ -188,3 +188,22 @@ def test_bf16_on_a_cpu_without_native_bf16_warns(tmp_path, monkeypatch):
             warnings.simplefilter("error", RuntimeWarning)
             fast, _ = selfspec.load_target(str(tmp_path), dtype=dtype)
         assert fast.dtype == torch.float32
+
+
+@pytest.mark.parametrize("costs, want", [
+    ({("float32", 1): 1.0, ("float32", 8): 1.8, ("bfloat16", 1): 0.55, ("bfloat16", 8): 0.7}, True),   # avx512_bf16 EPYC
+    ({("float32", 1): 1.0, ("float32", 8): 1.8, ("bfloat16", 1): 0.91, ("bfloat16", 8): 1.04}, True),  # AMX Xeon, prepacked
+    ({("float32", 1): 1.0, ("float32", 8): 1.8, ("bfloat16", 1): 1.03, ("bfloat16", 8): 1.1}, True),   # level within the probe's noise
+    ({("float32", 1): 1.0, ("float32", 8): 1.8, ("bfloat16", 1): 1.1, ("bfloat16", 8): 1.0}, False),   # plain steps would lose
+    ({("float32", 1): 1.0, ("float32", 8): 1.8, ("bfloat16", 1): 0.95, ("bfloat16", 8): 1.6}, False),  # no gain worth the rounding
+])
+def test_auto_dtype_weighs_a_plain_step_and_a_tree_pass(monkeypatch, costs, want):
+    """``dtype="auto"``: bf16 where its plain step is 20% faster, or at most 5% slower with a tree
+    pass 20% faster (speculative decoding's shape); float32 otherwise."""
+    import selfspec.loading as loading
+
+    monkeypatch.setattr(loading, "bf16_is_fast", lambda device="cpu": True)
+    monkeypatch.setattr(loading, "_BF16_FASTER", {})
+    monkeypatch.setattr(loading, "_decode_step_seconds",
+                        lambda dtype, device, reps=20, rows=1: costs[str(dtype).removeprefix("torch."), rows])
+    assert loading.resolve_dtype("auto") == (torch.bfloat16 if want else torch.float32)
