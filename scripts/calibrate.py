@@ -27,7 +27,8 @@ calibration prompts (GSM8K train + HumanEval from ../shared/data, never the benc
   With ``--temperature T`` (> 0) the race runs sampled generation at T (plain and speculative
   with the same seed) over a grid of chains and small sampled trees (at T > 0 a second sampled
   child catches part of what the first misses, so a wider tree can pay where it does not greedy)
-  and the tree T > 0 steps draft now (the stored sampled tree, else the head's own),
+  and the incumbents (the stored tree of sampled steps and the head's own tree, which T > 0 steps
+  draft where none is stored),
   and the choice is stored as the tree of the steps the head drafts alone at T > 0
   (``extra.options_sampled_by_dtype``, ``Drafter.for_sampling``); greedy steps keep the head's own
   tree, and a union's merged steps the tree calibrated ``--within``.
@@ -196,10 +197,10 @@ def main(argv=None) -> None:
             shapes = ((4, 2, 6), (5, 3, 8), (6, 4, 12), (6, 4, 16))  # 16 nodes: where a tree pass
             # costs little more than a step (bf16 with AMX: 1.24 steps)
         grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in shapes]
-        if sampled:  # the incumbent races too: what T > 0 steps draft now (the sampled tree, else the head's own)
-            now = drafter.sampled_cfg or drafter.cfg
-            now = {k: getattr(now, k) for k in ("max_depth", "width", "branch", "max_nodes")}
-            grid += [now] if now not in grid else []
+        if sampled:  # the incumbents race too: the stored tree of T > 0 steps and the head's own tree
+            for cfg in (drafter.sampled_cfg, drafter.cfg):  # (which T > 0 steps draft where none is stored)
+                now = {k: getattr(cfg, k) for k in ("max_depth", "width", "branch", "max_nodes")} if cfg else None
+                grid += [now] if now and now not in grid else []
         grid = [g | {"head_weights": weights} for g in grid if g["max_nodes"] <= args.max_nodes]
         def make(i):  # noqa: E306  (a fresh drafter, and a fresh union, per grid entry)
             if sampled:  # the tree of T > 0 steps; greedy steps keep the head's own
