@@ -197,10 +197,12 @@ def main(argv=None) -> None:
             shapes = ((4, 2, 6), (5, 3, 8), (6, 4, 12), (6, 4, 16))  # 16 nodes: where a tree pass
             # costs little more than a step (bf16 with AMX: 1.24 steps)
         grid += [dict(max_depth=d, width=w, branch=w, max_nodes=n) for d, w, n in shapes]
-        if sampled:  # the incumbents race too: the stored tree of T > 0 steps and the head's own tree
-            for cfg in (drafter.sampled_cfg, drafter.cfg):  # (which T > 0 steps draft where none is stored)
-                now = {k: getattr(cfg, k) for k in ("max_depth", "width", "branch", "max_nodes")} if cfg else None
-                grid += [now] if now and now not in grid else []
+        # the incumbents race too: at T > 0 the stored tree of sampled steps and the head's own tree
+        # (which T > 0 steps draft where none is stored)
+        for cfg in (drafter.sampled_cfg, drafter.cfg) if sampled else ():
+            now = {k: getattr(cfg, k) for k in ("max_depth", "width", "branch", "max_nodes")} if cfg else None
+            if now and now not in grid:
+                grid.append(now)
         grid = [g | {"head_weights": weights} for g in grid if g["max_nodes"] <= args.max_nodes]
         def make(i):  # noqa: E306  (a fresh drafter, and a fresh union, per grid entry)
             if sampled:  # the tree of T > 0 steps; greedy steps keep the head's own
@@ -237,27 +239,18 @@ def main(argv=None) -> None:
     extra = meta.setdefault("extra", {})
     key = machine_key(args.dtype, next(model.parameters()).device)  # e.g. "bfloat16@amx"
     options = {k: v for k, v in drafter.config_dict().items() if k in TREE_OPTIONS}
-    if sampled:  # the tree of T > 0 steps drafted alone; the head's own tree is left as it is
+    if sampled:  # the tree of T > 0 steps (its head_weights are the head's, set with its own tree)
         options = {k: v for k, v in asdict(drafter.sampled_cfg).items() if k in TREE_OPTIONS and k != "head_weights"}
-        extra.setdefault("calibration_sampled_by_dtype", {})[key] = json.loads(json.dumps(record))
-        extra.setdefault("options_sampled_by_dtype", {})[key] = options
-        atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
-        print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} (tree of sampled steps, {key})")
-        return
-    if args.within is not None:  # the tree inside unions; the head's own tree is left as it is
-        extra.setdefault("calibration_in_union_by_dtype", {})[key] = json.loads(json.dumps(record))
-        extra.setdefault("options_in_union_by_dtype", {})[key] = options
-        atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
-        print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} (tree inside unions, {key})")
-        return
-    extra.setdefault("calibration_by_dtype", {})[key] = json.loads(json.dumps(record))
-    extra.setdefault("options_by_dtype", {})[key] = options
-    if args.dtype == "float32":  # the weights are unchanged: rewrite drafter.json only
+    # which tree: of sampled steps, inside unions (the head's own tree left as it is either way), or its own
+    part, what = (("_sampled", "tree of sampled steps") if sampled else
+                  ("_in_union", "tree inside unions") if args.within is not None else ("", "own tree"))
+    extra.setdefault(f"calibration{part}_by_dtype", {})[key] = json.loads(json.dumps(record))
+    extra.setdefault(f"options{part}_by_dtype", {})[key] = options
+    if not part and args.dtype == "float32":  # the weights are unchanged: rewrite drafter.json only
         meta["config"] = drafter.config_dict()
         extra["calibration"] = json.loads(json.dumps(record))
     atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
-    print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} ({key})")
-
+    print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} ({what}, {key})")
 
 if __name__ == "__main__":
     main()

@@ -77,12 +77,9 @@ def bf16_is_fast(device: str = "cpu") -> bool:
     AVX512-BF16 / AMX-BF16 (elsewhere bf16 is emulated and slower than float32)."""
     if str(device).startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    from .measurement.machine import cpu_class
+
+    return cpu_class() in ("amx", "avx512_bf16")
 
 
 _BF16_FASTER: dict[str, bool] = {}

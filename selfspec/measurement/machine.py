@@ -59,11 +59,9 @@ def cpu_class(identity: dict | None = None) -> str:
     tiles), ``"avx512_bf16"`` (bf16 dot products without AMX), ``"avx512"``, ``"avx2"``, else
     ``"other"``. Machines of one class share calibrated trees (:func:`machine_key`)."""
     flags = set((identity or cpu_identity()).get("flags") or [])
-    if "amx_bf16" in flags:
-        return "amx"
-    for name in ("avx512_bf16", "avx512f", "avx2"):
-        if name in flags:
-            return name.removesuffix("f")
+    for flag, name in (("amx_bf16", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"), ("avx2", "avx2")):
+        if flag in flags:
+            return name
     return "other"
 
 
