@@ -3,8 +3,8 @@
     python scripts/eval_heads.py --config configs/eagle3_smollm2_continue.yaml \
         --out docs/results/r12_eagle3_heldout HEAD_DIR [HEAD_DIR ...]
 
-Each head is loaded as that config's ``init_from`` (``load_drafter`` refuses a foreign target) and
-evaluated by the recipe's own ``evaluate`` (teacher-forced top-1 agreement with the target and T=1
+Each head is loaded as that config's ``init_from``, in its own shape (draft vocabulary size and MLP
+width from its ``drafter.json``; ``load_drafter`` refuses a foreign target), and evaluated by the recipe's own ``evaluate`` (teacher-forced top-1 agreement with the target and T=1
 acceptance per unrolled step) on the config's held-out answers: its ``eval_dataset`` (a prompt
 window no head trained on) or else its split of ``dataset`` (held out from a head only when that
 data is newer than the head). Writes ``<out>.json`` and ``<out>.md``.
@@ -18,6 +18,7 @@ import os
 import shlex
 import sys
 import tempfile
+from pathlib import Path
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,7 +38,10 @@ def main(argv=None) -> None:
     base = load_any(args.config)
     model, rows = None, {}
     for path in args.heads:
-        cfg = replace(base, init_from=path, export=None)
+        shape = json.loads((Path(path) / "drafter.json").read_text())["config"]
+        cfg = replace(base, init_from=path, export=None, init_grow=False,  # each head in its own shape
+                      eagle3=replace(base.eagle3, draft_vocab_size=shape["draft_vocab_size"],
+                                     intermediate_size=shape.get("intermediate_size")))
         cfg.run = replace(cfg.run, out_dir=tempfile.mkdtemp(prefix="eval_heads_"), wandb_mode="disabled")
         recipe = Eagle3Recipe(cfg, model=model)
         recipe.setup()

@@ -643,6 +643,56 @@ def test_training_continues_from_a_trained_head(tmp_path):
         Eagle3Recipe(wide, model=model, examples=recipe.examples).setup()
 
 
+def test_a_trained_head_grows_a_larger_vocabulary_and_mlp_without_changing_its_drafts(tmp_path):
+    """``init_grow``: a trained head warm-starts a head with a larger draft vocabulary and MLP.
+    Its features and the logits of its old draft tokens are unchanged (new MLP neurons output
+    nothing, old LM-head rows are kept); the new tokens are the most frequent other response tokens,
+    starting from the mean of the old rows; the grown head trains. Without ``init_grow`` the
+    larger shape is refused, and a shrink is refused even with it."""
+    from dataclasses import replace
+
+    from training.batching import collate
+    from training.recipes import Eagle3Recipe
+
+    model = tiny_model("llama", layers=5)
+    small, recipe = _trained(model, tmp_path / "a", steps=12, draft_vocab_size=32)
+    save_drafter(small, tmp_path / "head")
+    small.head.float()
+    width = small.head.midlayer.mlp.down_proj.weight.shape[1]
+    cfg = replace(recipe.cfg, init_from=str(tmp_path / "head"), init_grow=True,
+                  eagle3=replace(recipe.cfg.eagle3, draft_vocab_size=48, intermediate_size=width + 16))
+    cfg.run = replace(cfg.run, out_dir=str(tmp_path / "b"))
+    grown = Eagle3Recipe(cfg, model=model, examples=recipe.examples)
+    grown.setup()
+    head = grown.head
+    assert head.lm_head.weight.shape[0] == 48 and head.midlayer.mlp.down_proj.weight.shape[1] == width + 16
+    old, new = small.head.draft_ids, head.draft_ids
+    assert set(old.tolist()) <= set(new.tolist()) and bool((new[1:] > new[:-1]).all())
+    pos = torch.searchsorted(new, old)
+    added = sorted(set(new.tolist()) - set(old.tolist()))
+    fresh = head.lm_head.weight[torch.tensor([new.tolist().index(t) for t in added])]
+    torch.testing.assert_close(fresh, small.head.lm_head.weight.float().mean(0, keepdim=True).expand_as(fresh))
+    ids, _, _ = collate(recipe.examples[:3], recipe.cfg.max_len)
+    taps, _, _ = grown._target(ids)
+    embeds = model.get_input_embeddings()(ids).float()
+    with torch.no_grad():
+        theirs = small.head(taps.float(), embeds, 3)
+        mine = head(taps.float(), embeds, 3)
+    for j, (a, b) in enumerate(zip(theirs, mine)):
+        torch.testing.assert_close(b[..., pos], a, msg=f"step {j}")
+    grown.train()
+    assert head.midlayer.mlp.down_proj.weight[:, width:].abs().sum() > 0  # the new neurons learned
+    # negative controls: no init_grow -> refused; a smaller vocabulary even with it -> refused
+    plain = replace(cfg, init_grow=False)
+    plain.run = replace(cfg.run, out_dir=str(tmp_path / "c"))
+    with pytest.raises(CheckpointError, match="init_grow"):
+        Eagle3Recipe(plain, model=model, examples=recipe.examples).setup()
+    shrink = replace(cfg, eagle3=replace(cfg.eagle3, draft_vocab_size=16))
+    shrink.run = replace(cfg.run, out_dir=str(tmp_path / "d"))
+    with pytest.raises(CheckpointError, match="smaller than init_from"):
+        Eagle3Recipe(shrink, model=model, examples=recipe.examples).setup()
+
+
 # ---------------------------------------------------------------- export
 def _speculators_first_layer_class():
     """vLLM's `speculators` EAGLE-3 first layer, loaded without the package's heavy __init__ (it
