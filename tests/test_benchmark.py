@@ -52,6 +52,26 @@ def test_speedup_intervals_and_unions_against_their_members():
     assert summarise(records[:10])["overall"]["ngram"]["speedup_ci"] is None  # too few prompts
 
 
+def test_two_methods_of_a_result_file_are_compared_on_the_turns_both_ran():
+    """scripts/paired.py: rate ratio and MAT of A against B over the turns both ran (a turn only one
+    of them ran is left out), with a seeded interval."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import paired
+
+    records = []
+    for q in range(6):
+        noise = 1.0 + 0.1 * (q % 3)
+        records += [rec(str(q), "a", "new", 100, 4.0 * noise, 40), rec(str(q), "a", "old", 100, 5.0 * noise, 50)]
+    records.append(rec("9", "a", "new", 100, 100.0, 100))  # B never ran it: not compared
+    c = paired.compare(records, "new", "old")
+    assert c["units"] == 6 and c["ratio"] == pytest.approx(5 / 4)
+    assert c["mat_a"] == pytest.approx(2.5) and c["mat_b"] == pytest.approx(2.0)
+    assert c["ci"][0] > 1.0 and paired.compare(records, "new", "old")["ci"] == c["ci"]
+
+
 def test_methods_on_another_dtype_against_plain_decoding_in_that_dtype():
     """``spec%dtype`` is also compared with ``none%dtype`` on the same prompts, so the dtype's own
     speed is not credited to speculation."""
