@@ -252,5 +252,6 @@ def main(argv=None) -> None:
     atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
     print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} ({what}, {key})")
 
+
 if __name__ == "__main__":
     main()

@@ -4,8 +4,9 @@
         --out docs/results/r12_eagle3_heldout HEAD_DIR [HEAD_DIR ...]
 
 Each head is loaded as that config's ``init_from``, in its own shape (draft vocabulary size and MLP
-width from its ``drafter.json``; ``load_drafter`` refuses a foreign target), and evaluated by the recipe's own ``evaluate`` (teacher-forced top-1 agreement with the target and T=1
-acceptance per unrolled step) on the config's held-out answers: its ``eval_dataset`` (a prompt
+width from its ``drafter.json``; ``load_drafter`` refuses a foreign target), and evaluated by the
+recipe's own ``evaluate`` (teacher-forced top-1 agreement with the target and T=1 acceptance per
+unrolled step) on the config's held-out answers: its ``eval_dataset`` (a prompt
 window no head trained on) or else its split of ``dataset`` (held out from a head only when that
 data is newer than the head). Writes ``<out>.json`` and ``<out>.md``.
 """
@@ -18,8 +19,8 @@ import os
 import shlex
 import sys
 import tempfile
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -32,7 +32,7 @@ def compare(records, a: str, b: str) -> dict:
     def mat(m):
         return sum(u[m].new_tokens for u in units) / max(1, sum(u[m].steps for u in units))
 
-    return dict(ratio=ra / rb if ra and rb else 0.0, ci=ratio_ci([u[m] for u in units for m in (a, b)], a, b),
+    return dict(ratio=ra / rb if ra and rb else 0.0, ci=ratio_ci(records, a, b),
                 mat_a=mat(a), mat_b=mat(b), units=len(units))
 
 
@@ -53,8 +53,8 @@ def main(argv=None) -> None:
         lines.append(f"| {cat} | {c['ratio']:.2f}x | {ci} | {c['mat_a']:.2f} | {c['mat_b']:.2f} | {c['units']} |")
     print("\n".join(lines))
     if args.out:
-        argv_ = [a for a in (argv if argv is not None else sys.argv[1:])]
-        command = "python scripts/paired.py " + " ".join(shlex.quote(a) for a in argv_)
+        given = argv if argv is not None else sys.argv[1:]
+        command = "python scripts/paired.py " + " ".join(shlex.quote(a) for a in given)
         atomic_write_text(args.out + ".md", f"`{command}`\n\n" + "\n".join(lines) + "\n")
 
 

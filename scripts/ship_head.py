@@ -19,6 +19,7 @@ Refused: another drafter kind, another target (fingerprint), a checkpoint folder
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -43,7 +44,7 @@ def merged_meta(new: dict, old: dict) -> dict:
     if new.get("target", {}).get("fingerprint") != old.get("target", {}).get("fingerprint"):
         raise CheckpointError("the new drafter was trained on another target than the checkpoint's "
                               f"({new.get('target')} vs {old.get('target')})")
-    meta = json.loads(json.dumps(new))
+    meta = copy.deepcopy(new)
     old_extra, extra = old.get("extra") or {}, meta.setdefault("extra", {})
     head = (old_extra.get("training") or {}).get("run", {}).get("out_dir") or "the previous head"
     for key in TREES:
@@ -52,7 +53,7 @@ def merged_meta(new: dict, old: dict) -> dict:
     for key in RECORDS:
         if key not in old_extra:
             continue
-        records = json.loads(json.dumps(old_extra[key]))
+        records = copy.deepcopy(old_extra[key])
         per_key = records.values() if key.endswith("_by_dtype") else [records]
         for record in per_key:
             if isinstance(record, dict):

@@ -643,7 +643,7 @@ def test_training_continues_from_a_trained_head(tmp_path):
         Eagle3Recipe(wide, model=model, examples=recipe.examples).setup()
 
 
-def test_a_trained_head_grows_a_larger_vocabulary_and_mlp_without_changing_its_drafts(tmp_path):
+def test_a_trained_head_grows_a_larger_vocabulary_and_mlp_keeping_its_features_and_logits(tmp_path):
     """``init_grow``: a trained head warm-starts a head with a larger draft vocabulary and MLP.
     Its features and the logits of its old draft tokens are unchanged (new MLP neurons output
     nothing, old LM-head rows are kept); the new tokens are the most frequent other response tokens,

@@ -72,8 +72,9 @@ class Eagle3TrainConfig:
             one made for another target, and a head shape other than ``eagle3``'s is refused too.
             Unlike ``--resume`` (same run, exact), this starts a new run with a fresh optimizer.
         init_grow: let ``init_from`` be a *smaller* head than ``eagle3`` asks for (a larger
-            ``draft_vocab_size`` and/or ``intermediate_size``) and grow it so that it drafts
-            exactly as before (:meth:`Eagle3Recipe._grow`); without it a shape mismatch is refused.
+            ``draft_vocab_size`` and/or ``intermediate_size``) and grow it, its features and its
+            old tokens' logits unchanged (:meth:`Eagle3Recipe._grow`); without it a shape mismatch
+            is refused.
         export: where the final drafter checkpoint is written (``null`` to skip).
         overwrite_export: allow ``export`` to replace an existing folder (refused otherwise, at
             setup, before any training).
@@ -214,18 +215,19 @@ class Eagle3Recipe(TrainingRun):
 
     @torch.no_grad()
     def _grow(self, small, vocab: int) -> dict:
-        """The state of this config's head grown from the trained head ``small``, which drafts
-        exactly as ``small`` did (function-preserving growth, as Net2Net's):
+        """The state of this config's head grown from the trained head ``small``: before training
+        its features and the logits of ``small``'s draft tokens are ``small``'s (function-preserving
+        growth, as Net2Net's; only new draft tokens can change a draft):
 
         * draft vocabulary: ``small``'s ids plus the most frequent other response tokens of the
           training split, up to ``draft_vocab_size``; the old ids keep their ``lm_head`` rows, the
           new ones all start as the mean of the old rows, so each new token is as likely as an
           average old one and rarely outranks the old head's choice (the data breaks the tie).
-          Measured on the shipped head (round 29, 24 held-out answers, 8,192 -> 16,384 tokens):
-          held-out loss 2.57 and top-1 0.647 at depth 1 with mean rows; 4.96 / 0.636 with zero rows
-          (each new token's logit 0 is high for this head); 10.2 / 0.125 with the target's own
-          LM-head rows (what a new head starts from, :meth:`_init_from_target`: a trained head's
-          output space has drifted from the target's);
+          Measured on the shipped head, 8,192 -> 16,384 tokens (``scripts/grow_init.py``,
+          docs/results/r29_grow_init.md; 24 held-out answers): held-out loss 2.55 and top-1 0.648
+          at depth 1 with mean rows; 5.19 / 0.631 with zero rows (logit 0 is high for this head);
+          10.8 / 0.116 with the target's own LM-head rows (what a new head starts from,
+          :meth:`_init_from_target`: a trained head's output space has drifted from the target's);
         * MLP: ``small``'s ``intermediate_size`` neurons kept, new neurons with fresh ``gate_proj``
           and ``up_proj`` rows and zero ``down_proj`` columns (no output until trained).
 
@@ -243,7 +245,7 @@ class Eagle3Recipe(TrainingRun):
         counts[old_ids] = -1.0
         extra = counts.argsort(descending=True, stable=True)[: size - old_ids.shape[0]]
         ids = torch.cat([old_ids, extra]).sort().values
-        head.set_vocab(ids)
+        head.set_vocab(ids)  # checks the ids and derives d2t / t2d (loaded again by the caller)
         old_rows = theirs["lm_head.weight"].float().cpu()
         rows = old_rows.mean(0, keepdim=True).repeat(size, 1)
         rows[torch.searchsorted(ids, old_ids)] = old_rows
