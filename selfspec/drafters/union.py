@@ -111,8 +111,8 @@ time in a generation), which the arm's estimate spreads over the positions it sy
 generations where one member always wins (prompt lookup on copy-heavy text), probes on the
 schedule alone lost about a step per generation. Probes are therefore rationed: the *regret* of
 every exploring step (its real seconds less what the best arm's estimate would take for its
-tokens) is kept as a decayed sum, and no probe runs while it exceeds ``explore_budget`` (2%) of the
-decayed decode time (:meth:`UnionDrafter._may_explore`). Nor does a probe run when fewer tokens are
+tokens) is kept as a decayed sum, and no probe runs while it exceeds the exploration budget below
+(:meth:`UnionDrafter._may_explore`). Nor does a probe run when fewer tokens are
 left in the generation than the deepest draft a member made: its step would be cut short, cost as
 much, and price its arm by a truncated draft.
 """
@@ -144,8 +144,12 @@ class UnionDrafter(Drafter):
             is due every this many steps (less often while it keeps losing, see above).
         rate_decay: per-step decay of an arm's token and second sums (its tokens/s is their ratio).
         explore_budget: share of the recent decode time that probes may lose against the best
-            arm's estimate (their *regret*, catch-up included); past it, no probe runs until the
-            share decays back (see :meth:`_may_explore`).
+            arm's estimate (their *regret*, catch-up included) whatever the union earned; past
+            it (and past ``explore_share`` of the profit), no probe runs until the share decays
+            back (see :meth:`_may_explore`).
+        explore_share: share of the union's recent *profit* (seconds saved against its best
+            single member, see the module docstring) that probes may lose on top of
+            ``explore_budget``.
         clock: seconds as a float (default ``time.perf_counter``; tests inject a step clock).
         sampled_merge: keep the first member that samples (:meth:`Drafter.may_sample`) sampling
             in merged steps, other members' point-mass nodes grafted after its children (default);
@@ -157,7 +161,8 @@ class UnionDrafter(Drafter):
 
     def __init__(self, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05,
                  decay: float = 0.98, probe_every: int = 16, rate_decay: float = 0.9,
-                 explore_budget: float = 0.02, clock=time.perf_counter, sampled_merge: bool = True):
+                 explore_budget: float = 0.005, explore_share: float = 0.05, clock=time.perf_counter,
+                 sampled_merge: bool = True):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes is None:  # never verify more nodes than the largest member would on its own
@@ -169,8 +174,9 @@ class UnionDrafter(Drafter):
                              f"{min_value}, {decay}, {rate_decay}")
         if probe_every < 2:
             raise ValueError(f"probe_every must be >= 2, got {probe_every}")
-        if not 0.0 <= explore_budget <= 1.0:
-            raise ValueError(f"explore_budget must be in [0, 1], got {explore_budget}")
+        if not 0.0 <= explore_budget <= 1.0 or not 0.0 <= explore_share <= 1.0:
+            raise ValueError(f"explore_budget and explore_share must be in [0, 1], got {explore_budget}, "
+                             f"{explore_share}")
         super().__init__(members[0].signature)
         # the sampling anchor (see the module's docstring): its sampled trees merge as drafted
         self.anchor = next((i for i, m in enumerate(members) if m.may_sample()), None) if sampled_merge else None
@@ -217,8 +223,11 @@ class UnionDrafter(Drafter):
         self.probe_wait: dict[tuple, int] = {}  # (arm, its members' keys) -> steps between its probes
         self.last_probe: dict = {}  # (arm, keys) -> step of its last probe; None -> of the last probe
         self.steps = 0  # steps decided so far (over all generations)
-        # exploration's cost: decayed [regret seconds, seconds] over all steps (see `_explore`)
-        self.explore_budget, self.explore_decay, self.regret = explore_budget, 0.99, [0.0, 0.0]
+        # exploration's cost: decayed [regret seconds, seconds] over all steps, and what exploiting
+        # steps saved against the best single member (signed decayed seconds; see `_explore`)
+        self.explore_budget, self.explore_share, self.explore_decay = explore_budget, explore_share, 0.99
+        self.regret = [0.0, 0.0]
+        self.alone: list[float] | None = None  # decayed seconds of each member alone, then the union's
         self.deepest = 0  # the deepest node any member drafted (no probe runs with less room left)
         self._state: tuple[int, ...] = ()
         self._arm, self._pending, self._asked = len(self.arms) - 1, None, set()
@@ -276,11 +285,11 @@ class UnionDrafter(Drafter):
     def _choose_arm(self, ctx: DraftContext) -> int:
         """Close the timing of the previous step, then pick this step's arm."""
         if self._pending is not None:
-            state, arm, start, length, tokens, probe, empty, ref = self._pending
+            state, arm, start, length, tokens, probe, empty, ref, base = self._pending
             now = self.clock()
             if ctx.tokens.shape[0] == length + tokens and now > start:  # nothing ran in between
                 seconds, real = self._charge_calls(now - start, tokens)
-                self._explore(real, tokens, ref)
+                self._explore(real, tokens, ref, base)
                 self._record(arm, state, tokens, seconds)
                 if empty and arm != 0:  # an empty draft is a plain step: it measures the plain arm too
                     self._record(0, state, tokens, seconds)
@@ -338,31 +347,52 @@ class UnionDrafter(Drafter):
             arm, probe = (due[0], True) if due else (best, False)
             if probe:
                 self.last_probe[keys[arm]] = self.last_probe[None] = self.steps
-        # an exploring step (a probe, a first trial) is priced against the best arm's estimate
+        # an exploring step (a probe, a first trial) is priced against the best arm's estimate; every
+        # step against each member alone (or plain steps, where faster: a member alone backs off)
         ref = guess[best] if arm != best and guess[best] else None
-        self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe, False, ref)
+        base = None
+        if guess[0] and all(guess[1 + m] for m in range(len(self.members))):
+            base = tuple(max(guess[0], guess[1 + m]) for m in range(len(self.members)))
+        self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe, False, ref, base)
         self._calls = []
         self.arm_steps[arm] += 1
         return arm
 
-    def _explore(self, seconds: float, tokens: int, ref: float | None) -> None:
-        """Account a closed step's time and, for an exploring step, its *regret*: its real seconds
+    def _explore(self, seconds: float, tokens: int, ref: float | None, base: tuple[float, ...] | None = None) -> None:
+        """Account a closed step's time; for an exploring step its *regret*: its real seconds
         less what the best arm (by the estimate it was chosen against, ``ref`` tokens/s) would have
         taken for the same tokens. A probe's real cost includes its members' whole catch-up (an
         EAGLE-3 layer over every position it skipped: the prompt, the first time in a generation),
-        which the arm's speed estimate deliberately spreads thin. Both sums decay per step; the
-        regret never goes below zero (a lucky probe pays back debt, it banks no credit)."""
+        which the arm's speed estimate deliberately spreads thin. And for every step the seconds
+        each member alone would have taken for its tokens (``base[m]`` tokens/s: the member's
+        estimate in the step's state, or plain steps' where faster, as a member alone backs off
+        to them): :attr:`profit` is then the least of those sums less the real seconds, what the
+        union saved against its best member over the recent steps, exploration included. All
+        sums decay per step; the regret never goes below zero (a lucky probe pays back debt, it
+        banks no credit)."""
         d = self.explore_decay
         regret = seconds - tokens / ref if ref else 0.0
         self.regret = [max(0.0, d * self.regret[0] + regret), d * self.regret[1] + seconds]
+        if base is not None:
+            old = self.alone or [0.0] * (len(base) + 1)
+            self.alone = [d * o + t for o, t in zip(old, [tokens / r for r in base] + [seconds])]
+
+    @property
+    def profit(self) -> float:
+        """Decayed seconds the union saved against its best member alone over the recent steps
+        (by the members' estimates; steps before every member had one are left out); can be
+        negative."""
+        return 0.0 if self.alone is None else min(self.alone[:-1]) - self.alone[-1]
 
     def _may_explore(self) -> bool:
         """Whether a probe may run now: exploration's recent regret is within ``explore_budget``
-        of the recent decode time. Probes are how estimates stay current, but where every other
-        arm is clearly worse (a head that is never right on copy-heavy text, in short generations
-        that pay its catch-up over the prompt at each probe), each one is pure cost: this bounds
-        that cost to about the budget's share of the time, whatever the probe schedule says."""
-        return self.regret[0] <= self.explore_budget * self.regret[1]
+        of the recent decode time plus ``explore_share`` of the recent profit. Probes are how
+        estimates stay current, but where every other arm is clearly worse (a head that is never
+        right on copy-heavy text, in short generations that pay its catch-up over the prompt at
+        each probe), each one is pure cost: this bounds that cost to about the floor's share of
+        the time where the union earns nothing over its best member, whatever the probe schedule
+        says, and lets it explore more where its choices pay."""
+        return self.regret[0] <= self.explore_budget * self.regret[1] + self.explore_share * max(0.0, self.profit)
 
     def _charge_calls(self, seconds: float, tokens: int) -> tuple[float, float]:
         """The seconds a step that emitted ``tokens`` is charged, and its members' drafting times
@@ -648,8 +678,9 @@ class UnionDrafter(Drafter):
         """Update each member's acceptance rates: every proposed node whose parent was accepted was
         tested; it was a hit if it is on the accepted path."""
         if self._pending is not None:
-            state, arm, start, length, _, probe, _, ref = self._pending
-            self._pending = (state, arm, start, length, verdict.num_accepted + 1, probe, tree.num_nodes == 1, ref)
+            state, arm, start, length, _, probe, _, ref, base = self._pending
+            self._pending = (state, arm, start, length, verdict.num_accepted + 1, probe, tree.num_nodes == 1, ref,
+                             base)
         for key in self.tests:  # only the asked members' counts decay: see `rate`
             if key[0] in self._asked:
                 self.tests[key] *= self.decay
