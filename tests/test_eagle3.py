@@ -553,6 +553,46 @@ def test_batched_loss_is_the_mean_of_per_example_losses(tmp_path):
         assert stats[j][1] == pytest.approx(sum(a[2][j][1] for a in alone), rel=1e-4)  # T=1 acceptance
 
 
+def test_hard_label_share_mixes_the_target_greedy_token_into_the_loss(tmp_path):
+    """``hard_weight`` w: each position's loss is (1 - w) soft cross-entropy + w (-log q of the
+    target's greedy token) where the draft vocabulary holds that token, the soft term alone where
+    it does not. So the per-step loss is linear in w, and at w = 1 it is, position by position,
+    -log q(greedy token) (recomputed here from the head's logits)."""
+    from training.batching import collate
+
+    model = tiny_model("llama", layers=5)
+    _, recipe = _trained(model, tmp_path, steps=0, draft_vocab_size=6)  # some greedy tokens outside
+    batch = recipe.train_set[:4]
+    losses = {}
+    with torch.no_grad():
+        for w in (0.0, 0.5, 1.0):
+            recipe.cfg.hard_weight = w
+            losses[w] = recipe._losses(batch)[1]
+        ids, lengths, prompts = collate(batch, recipe.cfg.max_len)
+        taps, logp, argmax = recipe._target(ids)
+        embeds = model.get_input_embeddings()(ids).to(recipe.head.fc.weight.dtype)
+        logq = recipe.head(taps.to(recipe.head.fc.weight.dtype), embeds, 1)[0].float().log_softmax(-1)
+    slots = {int(t): i for i, t in enumerate(recipe.head.draft_ids.tolist())}
+    total = count = outside = 0
+    for b in range(ids.shape[0]):
+        for t in range(ids.shape[1]):
+            src = t + 1
+            if not (prompts[b] - 1 <= src < lengths[b]):
+                continue
+            greedy = int(argmax[b, src])
+            p = logp[b, src].exp()
+            total += float(-logq[b, t, slots[greedy]]) if greedy in slots else float(-(p * logq[b, t]).sum())
+            outside += greedy not in slots
+            count += 1
+    assert 0 < outside < count  # both kinds of position occur
+    assert losses[1.0][0] == pytest.approx(total / count, rel=1e-4)
+    for j in range(recipe.cfg.ttt_steps):
+        assert losses[0.5][j] == pytest.approx((losses[0.0][j] + losses[1.0][j]) / 2, rel=1e-5)
+        assert losses[1.0][j] != pytest.approx(losses[0.0][j], rel=1e-3)
+    with pytest.raises(ValueError, match="hard_weight"):
+        type(recipe.cfg)(hard_weight=1.5)
+
+
 def test_training_learns_and_resumes_exactly(tmp_path):
     model = tiny_model("llama", layers=5)
     full, recipe = _trained(model, tmp_path / "a", steps=12)

@@ -54,6 +54,11 @@ class Eagle3TrainConfig:
         eagle3: head shape and tree policy of the exported drafter.
         ttt_steps: K >= 1 unrolled steps of the training-time test.
         step_decay: loss weight of step j is ``step_decay ** j``.
+        hard_weight: share ``w`` of a hard-label term in each step's loss: ``(1 - w)`` times the
+            soft cross-entropy plus ``w`` times ``-log q_j(argmax p)``, the target's greedy token
+            (positions whose greedy token is outside the draft vocabulary get the soft term
+            only). Greedy verification accepts a draft exactly when it is that token; 0 (the
+            default, every head so far) is pure distillation.
         eval_fraction: share of examples held out for evaluation (when ``eval_dataset`` is unset).
         max_eval_examples: cap on held-out examples evaluated.
         eval_dataset: a distillation folder evaluated instead of a split of ``dataset``, which is
@@ -89,6 +94,7 @@ class Eagle3TrainConfig:
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)
     ttt_steps: int = 3
     step_decay: float = 0.8
+    hard_weight: float = 0.0
     eval_fraction: float = 0.03
     max_eval_examples: int = 96
     eval_dataset: str | None = None
@@ -109,6 +115,8 @@ class Eagle3TrainConfig:
             raise ValueError("Eagle3TrainConfig is for recipe 'train_heads' with kind 'eagle3'")
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
+        if not 0.0 <= self.hard_weight <= 1.0:
+            raise ValueError(f"hard_weight must be in [0, 1], got {self.hard_weight}")
         if self.init not in ("exit", "random"):
             raise ValueError(f"init must be 'exit' or 'random', got {self.init!r}")
         check_dtype("target_dtype", self.target_dtype)
@@ -173,6 +181,8 @@ class Eagle3Recipe(TrainingRun):
             self._init_from_target()
             self._measure_tap_scale()
         self.drafter._draft_ids = self.head.draft_ids.cpu()
+        self._t2d = torch.full((vocab,), -1, dtype=torch.long)  # target id -> draft slot, -1 outside
+        self._t2d[self.drafter._draft_ids] = torch.arange(self.drafter._draft_ids.shape[0])
         self.batches = length_buckets(self.train_set, cfg.max_len, cfg.tokens_per_batch)
 
     def forward(self, head, taps: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -346,6 +356,11 @@ class Eagle3Recipe(TrainingRun):
             p = logp.gather(1, idx[..., None].expand(-1, -1, logp.shape[-1])).exp()  # [B, T, V_d]
             logq = logits.float().log_softmax(-1)
             per = -(p * logq).sum(-1)
+            if self.cfg.hard_weight > 0:  # the target's greedy token, where the head can draft it
+                slot = self._t2d.to(self.acc.device)[argmax.gather(1, idx)]  # [B, T], -1 outside
+                hard = -logq.gather(-1, slot.clamp_min(0)[..., None])[..., 0]
+                w = self.cfg.hard_weight * (slot >= 0)
+                per = (1 - w) * per + w * hard
             n = valid.sum().clamp_min(1) if counts is None else max(1, counts[j])
             losses.append((per * valid).sum() / n)
             with torch.no_grad():
