@@ -6,7 +6,8 @@
 Question files: Spec-Bench format (``question_id``, ``category``, ``turns``; multi-turn replayed
 turn by turn) or BFCL format (``question`` messages + ``function`` tools in the system message).
 Methods: selfspec drafter specs (``ngram``, ``medusa`` / ``layerskip`` = the shipped checkpoints, a
-checkpoint folder, ``kind:key=value``, ``a+b`` unions, ``spec@key=value`` tree options, ``spec#fixed``
+checkpoint folder, ``kind:key=value``, ``a+b`` unions (``union@key=value,...:a+b`` with union options,
+e.g. ``union@explore_budget=0.02,explore_share=0:eagle3+ngram``), ``spec@key=value`` tree options, ``spec#fixed``
 to draft every step without the adaptive fallback, ``spec%dtype`` to run it on a copy of the target
 loaded in that dtype, e.g. ``none%bfloat16`` = plain bf16 decoding, against the main ``--dtype``
 baseline) and peers on the same model through

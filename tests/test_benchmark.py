@@ -37,13 +37,15 @@ def test_speedup_intervals_and_unions_against_their_members():
                     rec(str(q), "a", "ngram", 100, 5.0 * noise, 50),
                     rec(str(q), "a", "eagle3+ngram", 100, 6.0 * noise, 40),
                     rec(str(q), "a", "ngram%bfloat16", 100, 4.0 * noise, 50),
-                    rec(str(q), "a", "eagle3+ngram%bfloat16", 100, 4.0 * noise, 40)]
+                    rec(str(q), "a", "eagle3+ngram%bfloat16", 100, 4.0 * noise, 40),
+                    rec(str(q), "a", "union@explore_share=0:eagle3+ngram", 100, 5.5 * noise, 40)]
     s = summarise(records)
     lo, hi = s["overall"]["ngram"]["speedup_ci"]
     assert lo <= s["overall"]["ngram"]["speedup"] <= hi
     assert summarise(records)["overall"]["ngram"]["speedup_ci"] == [lo, hi]  # seeded
     unions = {(u["union"], u["member"]): u for u in s["overall"]["baseline"]["unions"]}
-    assert set(unions) == {("eagle3+ngram", "ngram"), ("eagle3+ngram%bfloat16", "ngram%bfloat16")}
+    assert set(unions) == {("eagle3+ngram", "ngram"), ("eagle3+ngram%bfloat16", "ngram%bfloat16"),
+                           ("union@explore_share=0:eagle3+ngram", "ngram")}  # a union with options too
     assert unions[("eagle3+ngram", "ngram")]["ratio"] == pytest.approx(5 / 6)
     assert unions[("eagle3+ngram", "ngram")]["ci"][1] < 1.0  # a loss the noise cannot explain
     assert unions[("eagle3+ngram%bfloat16", "ngram%bfloat16")]["ratio"] == pytest.approx(1.0)

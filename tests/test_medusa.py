@@ -133,6 +133,15 @@ def test_drafter_specs(tmp_path, monkeypatch):
     assert drafters.drafter_from_spec(model, str(tmp_path / "tiny-medusa")).kind == "medusa"
     monkeypatch.setattr(drafters, "SHIPPED_CHECKPOINTS", tmp_path)
     assert drafters.drafter_from_spec(model, "medusa", "tiny").kind == "medusa"
+    # a union with its own options: union@key=value,...:a+b
+    union = drafters.drafter_from_spec(model, "union@explore_budget=0.02,explore_share=0:medusa:num_heads=2+ngram")
+    assert union.kind == "union" and [m.kind for m in union.members] == ["medusa", "ngram"]
+    assert (union.explore_budget, union.explore_share) == (0.02, 0.0)
+    assert drafters.drafter_from_spec(model, "medusa:num_heads=2+ngram").explore_share == 0.05  # the defaults
+    with pytest.raises(ValueError, match="unknown union options"):
+        drafters.drafter_from_spec(model, "union@explore=0.02:ngram+ngram")
+    with pytest.raises(ValueError, match="union@key=value"):
+        drafters.drafter_from_spec(model, "union@explore_budget=0.02")
 
 
 def test_union_of_heads_and_ngram_is_exact_and_merges_prefixes():

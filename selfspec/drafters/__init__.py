@@ -143,14 +143,21 @@ def drafter_from_spec(model, spec: str, target: str | None = None, tokenizer=Non
     * ``kind`` or ``kind:key=value,...``: a fresh drafter from :func:`build_drafter` (values that
       look like integers are parsed as such);
     * ``a+b+...``: the union of those drafters' trees, budgeted by measured acceptance (at most
-      as many draft nodes as its largest member);
+      as many draft nodes as its largest member); ``union@key=value,...:a+b+...`` with
+      :class:`UnionDrafter` options (e.g. ``union@explore_budget=0.02,explore_share=0:eagle3+ngram``,
+      the exploration budget of rounds 21-29);
     * ``<checkpoint folder or shipped kind>@key=value,...``: a loaded drafter with tree options
       changed (e.g. ``layerskip@kv_reuse=false``, ``medusa@tree=[[0],[0,0]]``).
     """
     if spec == "none":
         return None
+    if spec.startswith("union@"):
+        opts, sep, members = spec[len("union@"):].partition(":")
+        if not sep or not members:
+            raise ValueError(f"a union spec with options reads 'union@key=value,...:a+b', got {spec!r}")
+        return _union(model, members.split("+"), target, tokenizer, _parse_options(opts))
     if "+" in spec:
-        return UnionDrafter([union_member(drafter_from_spec(model, s, target, tokenizer)) for s in spec.split("+")])
+        return _union(model, spec.split("+"), target, tokenizer, {})
     if "@" in spec:
         base, _, opts = spec.partition("@")
         drafter = drafter_from_spec(model, base, target, tokenizer)
@@ -176,6 +183,17 @@ def drafter_from_spec(model, spec: str, target: str | None = None, tokenizer=Non
     if kind in _NEEDS_TOKENIZER:
         options["tokenizer"] = tokenizer
     return build_drafter(model, kind, **options)
+
+
+def _union(model, specs: list[str], target, tokenizer, options: dict) -> UnionDrafter:
+    """The union of the drafters of ``specs`` with :class:`UnionDrafter` ``options``."""
+    import inspect
+
+    known = set(inspect.signature(UnionDrafter.__init__).parameters) - {"self", "members", "clock"}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"unknown union options {sorted(unknown)}; known: {sorted(known)}")
+    return UnionDrafter([union_member(drafter_from_spec(model, s, target, tokenizer)) for s in specs], **options)
 
 
 def union_member(drafter: Drafter) -> Drafter:

@@ -473,13 +473,15 @@ def ratio_ci(records: list[Record], a: str, b: str, resamples: int = 1000, seed:
 
 
 def union_vs_members(records: list[Record]) -> list[dict]:
-    """Each measured union ``a+b[%dtype]`` against each member ``a[%dtype]`` measured in the same
+    """Each measured union ``[union@options:]a+b[%dtype]`` against each member ``a[%dtype]`` measured in the same
     records: ``{union, member, ratio, ci}`` (ratio = the union's rate / the member's on the runs
     both made; ``ci`` see :func:`ratio_ci`)."""
     methods = list(dict.fromkeys(r.method for r in records))
     out = []
     for m in methods:
         spec, pct, dtype = m.partition("%")
+        if spec.startswith("union@"):  # a union with options: union@key=value,...:a+b
+            spec = spec.partition(":")[2]
         if "+" not in spec or m.startswith("hf-"):
             continue
         for member in spec.split("+"):
