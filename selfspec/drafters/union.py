@@ -223,8 +223,8 @@ class UnionDrafter(Drafter):
         self.probe_wait: dict[tuple, int] = {}  # (arm, its members' keys) -> steps between its probes
         self.last_probe: dict = {}  # (arm, keys) -> step of its last probe; None -> of the last probe
         self.steps = 0  # steps decided so far (over all generations)
-        # exploration's cost: decayed [regret seconds, seconds] over all steps, and what exploiting
-        # steps saved against the best single member (signed decayed seconds; see `_explore`)
+        # exploration's cost: decayed [regret seconds, seconds] over all steps; and what it may spend:
+        # decayed seconds each member alone would have taken, then the union's own (see `profit`)
         self.explore_budget, self.explore_share, self.explore_decay = explore_budget, explore_share, 0.99
         self.regret = [0.0, 0.0]
         self.alone: list[float] | None = None  # decayed seconds of each member alone, then the union's
