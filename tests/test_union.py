@@ -555,47 +555,75 @@ def test_one_unlucky_first_step_does_not_bench_a_good_head():
     assert mean["measured"] < 0.9, (mean, ratios)  # the negative control fails the bound
 
 
+class _ShortGenerations:
+    """The adversarial prompts' harness: one drafter serves ``generations`` generations of 32 tokens
+    after the prompt ``[1, 2]`` (as in a benchmark or a server), on a target pass of 1 + 0.04 s per
+    drafted node. :meth:`head` makes a head that is wrong where ``miss[position]``, costs a quarter
+    of a target pass per draft and, the first time a generation asks it, a catch-up over a long
+    prompt (1.5 passes: an EAGLE-3 layer over every prompt position; then 0.02 s per position);
+    :meth:`lookup` a prompt lookup that copies in stretches of 12 tokens (two in three), each
+    generation starting at another point of the pattern."""
+
+    def __init__(self, generations: int):
+        self.clock, self.prompt, self.generations, self.offset = _Clock(), torch.tensor([1, 2]), generations, 0
+        self.reference = decode(table_target(), self.prompt, None, SamplingConfig(0.0), torch.Generator(), 40,
+                                set(), 1000).sequences[0].tolist()
+        self.Lookup = _stretch_lookup(self.clock, lambda ctx: ((ctx.tokens.shape[0] + self.offset) // 12) % 3 != 0)
+
+    def head(self, miss: torch.Tensor) -> OracleDrafter:
+        clock = self.clock
+
+        class Head(OracleDrafter):
+            seen = None
+
+            def reset(self):
+                self.seen = None
+
+            def sync(self, ctx):
+                n = ctx.tokens.shape[0]
+                clock.spend(1.5 if self.seen is None else 0.02 * (n - self.seen))  # the prompt, then per position
+                self.seen = n
+
+            def propose(self, ctx):
+                self.sync(ctx)
+                clock.spend(0.25)
+                return super().propose(ctx)
+
+        wrong = lambda pos, tok: (tok + 1) % 6 if miss[pos] else tok  # noqa: E731
+        return Head(self.reference, 6, depth=3, sibling=False, corrupt=wrong)
+
+    def lookup(self) -> OracleDrafter:
+        return self.Lookup(self.reference, 6, depth=6, sibling=False)
+
+    def seconds(self, drafter, seed: int) -> float:
+        """Virtual seconds of all generations (adaptive policy on, output checked each time)."""
+        from selfspec.adaptive import AdaptivePolicy
+
+        self.clock.gen.manual_seed(seed)
+        total = 0.0
+        for g in range(self.generations):
+            self.offset, self.clock.now = (g * 5) % 36, 0.0
+            policy = AdaptivePolicy()
+            policy.begin()
+            out = decode(timed_target(self.clock, per_node=0.04), self.prompt, drafter, SamplingConfig(0.0),
+                         torch.Generator(), 32, set(), 1000, policy, clock=self.clock)
+            assert out.sequences[0].tolist() == self.reference[:34]
+            total += self.clock.now
+        return total
+
+
 def test_probes_stop_while_exploration_is_over_its_budget():
-    """The adversarial prompts' case: short generations where prompt lookup copies most of the time,
-    and a head that is right a quarter of the time, costs a quarter of a target pass per draft and,
-    the first time a generation asks it, a catch-up over a long prompt (1.5 passes: an EAGLE-3
-    layer over every prompt position). One union serves 16 generations of 32 tokens (as in a
-    benchmark or a server). Each probe of the head or the merge pays that catch-up, which the
-    arm's speed estimate spreads thin (see `_charge_calls`). The union keeps within 3% of the
-    lookup alone on every seed. Mechanism, with its control in the same harness: with no budget
-    (0) probes stop after the first one that loses (its regret never decays to zero), with the
-    whole time as budget (1) they run on the probe schedule alone (10-12 probes here); the default
-    (2%) runs fewer (4-8). No probe runs in a generation's last steps, where fewer tokens are
-    left than the deepest draft (a probe there is cut short)."""
-    from selfspec.adaptive import AdaptivePolicy
-
-    clock = _Clock()
-    prompt = torch.tensor([1, 2])
-    reference = decode(table_target(), prompt, None, SamplingConfig(0.0), torch.Generator(), 40, set(),
-                       1000).sequences[0].tolist()
+    """The adversarial prompts' case (:class:`_ShortGenerations`, 16 generations): short
+    generations where prompt lookup copies most of the time, and a head that is right a quarter
+    of the time and pays a catch-up over the prompt at each probe, which the arm's speed estimate
+    spreads thin (see `_charge_calls`). The union keeps within 3% of the lookup alone on every
+    seed. Mechanism, with its control in the same harness: with no budget (0) probes stop after
+    the first one that loses (its regret never decays to zero), with the whole time as budget (1)
+    they run on the probe schedule alone (10-12 probes here); the default runs fewer. No probe
+    runs in a generation's last steps, where fewer tokens are left than the deepest draft (a probe
+    there is cut short)."""
+    run = _ShortGenerations(16)
     miss = torch.rand(60, generator=torch.Generator().manual_seed(7)) < 0.75
-    offset = [0]
-
-    class Head(OracleDrafter):
-        seen = None
-
-        def reset(self):
-            self.seen = None
-
-        def sync(self, ctx):
-            n = ctx.tokens.shape[0]
-            clock.spend(1.5 if self.seen is None else 0.02 * (n - self.seen))  # the prompt, then per position
-            self.seen = n
-
-        def propose(self, ctx):
-            self.sync(ctx)
-            clock.spend(0.25)
-            return super().propose(ctx)
-
-    def matching(ctx):
-        return ((ctx.tokens.shape[0] + offset[0]) // 12) % 3 != 0
-
-    Lookup = _stretch_lookup(clock, matching)
 
     class Counted(UnionDrafter):
         probes = late = short = 0
@@ -608,30 +636,16 @@ def test_probes_stop_while_exploration_is_over_its_budget():
             return arm
 
     def members():
-        wrong = lambda pos, tok: (tok + 1) % 6 if miss[pos] else tok  # noqa: E731
-        return [Head(reference, 6, depth=3, sibling=False, corrupt=wrong), Lookup(reference, 6, depth=6, sibling=False)]
-
-    def seconds(drafter, seed):
-        clock.gen.manual_seed(seed)
-        total = 0.0
-        for g in range(16):
-            offset[0], clock.now = (g * 5) % 36, 0.0
-            policy = AdaptivePolicy()
-            policy.begin()
-            out = decode(timed_target(clock, per_node=0.04), prompt, drafter, SamplingConfig(0.0), torch.Generator(),
-                         32, set(), 1000, policy, clock=clock)
-            assert out.sequences[0].tolist() == reference[:34]
-            total += clock.now
-        return total
+        return [run.head(miss), run.lookup()]
 
     for seed in range(4):
-        lookup = seconds(members()[1], seed)
-        union = Counted(members(), clock=clock)
-        assert lookup / seconds(union, seed) >= 0.97, seed
-        stingy, lavish = Counted(members(), explore_budget=0.0, clock=clock), Counted(members(), explore_budget=1.0,
-                                                                                     clock=clock)
-        seconds(stingy, seed)
-        seconds(lavish, seed)
+        lookup = run.seconds(run.lookup(), seed)
+        union = Counted(members(), clock=run.clock)
+        assert lookup / run.seconds(union, seed) >= 0.97, seed
+        stingy = Counted(members(), explore_budget=0.0, clock=run.clock)
+        lavish = Counted(members(), explore_budget=1.0, clock=run.clock)
+        run.seconds(stingy, seed)
+        run.seconds(lavish, seed)
         assert stingy.probes <= 2 < lavish.probes and union.probes < lavish.probes, (
             seed, stingy.probes, union.probes, lavish.probes)
         # no probe where fewer tokens are left than the deepest draft (each generation ends so)
@@ -687,35 +701,7 @@ def test_exploration_is_paid_from_what_the_union_earns():
     and one that is right nine times in ten (the union runs each where it pays and earns over
     both, and then probes more than on the floor alone, ``explore_share=0``). On every seed of
     both the union is within 2% of its best member or faster."""
-    from selfspec.adaptive import AdaptivePolicy
-
-    clock = _Clock()
-    prompt = torch.tensor([1, 2])
-    reference = decode(table_target(), prompt, None, SamplingConfig(0.0), torch.Generator(), 40, set(),
-                       1000).sequences[0].tolist()
-    offset = [0]
-
-    def head_class(miss):
-        class Head(OracleDrafter):
-            seen = None
-
-            def reset(self):
-                self.seen = None
-
-            def sync(self, ctx):
-                n = ctx.tokens.shape[0]
-                clock.spend(1.5 if self.seen is None else 0.02 * (n - self.seen))
-                self.seen = n
-
-            def propose(self, ctx):
-                self.sync(ctx)
-                clock.spend(0.25)
-                return super().propose(ctx)
-
-        wrong = lambda pos, tok: (tok + 1) % 6 if miss[pos] else tok  # noqa: E731
-        return lambda: Head(reference, 6, depth=3, sibling=False, corrupt=wrong)
-
-    Lookup = _stretch_lookup(clock, lambda ctx: ((ctx.tokens.shape[0] + offset[0]) // 12) % 3 != 0)
+    run = _ShortGenerations(24)
 
     class Counted(UnionDrafter):
         probes = 0
@@ -725,31 +711,15 @@ def test_exploration_is_paid_from_what_the_union_earns():
             self.probes += self._pending[5]
             return arm
 
-    def seconds(drafter, seed):
-        clock.gen.manual_seed(seed)
-        total = 0.0
-        for g in range(24):
-            offset[0], clock.now = (g * 5) % 36, 0.0
-            policy = AdaptivePolicy()
-            policy.begin()
-            out = decode(timed_target(clock, per_node=0.04), prompt, drafter, SamplingConfig(0.0), torch.Generator(),
-                         32, set(), 1000, policy, clock=clock)
-            assert out.sequences[0].tolist() == reference[:34]
-            total += clock.now
-        return total
-
     for rate in (0.75, 0.1):
         miss = torch.rand(60, generator=torch.Generator().manual_seed(7)) < rate
-        head = head_class(miss)
         probes, total = {"union": 0, "flat": 0, "floor": 0}, {"union": 0.0, "flat": 0.0}
         for seed in range(4):
-            best = min(seconds(Lookup(reference, 6, depth=6, sibling=False), seed), seconds(head(), seed))
-            unions = {"union": Counted([head(), Lookup(reference, 6, depth=6, sibling=False)], clock=clock),
-                      "flat": Counted([head(), Lookup(reference, 6, depth=6, sibling=False)], clock=clock,
-                                      explore_budget=0.02, explore_share=0.0),
-                      "floor": Counted([head(), Lookup(reference, 6, depth=6, sibling=False)], clock=clock,
-                                       explore_share=0.0)}
-            t = {k: seconds(d, seed) for k, d in unions.items()}
+            best = min(run.seconds(run.lookup(), seed), run.seconds(run.head(miss), seed))
+            options = {"union": {}, "flat": dict(explore_budget=0.02, explore_share=0.0),
+                       "floor": dict(explore_share=0.0)}
+            unions = {k: Counted([run.head(miss), run.lookup()], clock=run.clock, **o) for k, o in options.items()}
+            t = {k: run.seconds(d, seed) for k, d in unions.items()}
             assert best / t["union"] >= 0.98, (rate, seed, best, t)
             for k in probes:
                 probes[k] += unions[k].probes

@@ -348,6 +348,7 @@ class Eagle3Recipe(TrainingRun):
         run = module if module is not None else (lambda *a: self.forward(head, *a))
         step_logits = run(taps, embeds, self.cfg.ttt_steps)
         t = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)  # [B, T]: gather needs every row
+        t2d = self._t2d.to(self.acc.device)
         losses, stats = [], []
         for j, logits in enumerate(step_logits):
             src = t + j + 1  # [B, T] position whose law step j learns
@@ -356,15 +357,16 @@ class Eagle3Recipe(TrainingRun):
             p = logp.gather(1, idx[..., None].expand(-1, -1, logp.shape[-1])).exp()  # [B, T, V_d]
             logq = logits.float().log_softmax(-1)
             per = -(p * logq).sum(-1)
-            if self.cfg.hard_weight > 0:  # the target's greedy token, where the head can draft it
-                slot = self._t2d.to(self.acc.device)[argmax.gather(1, idx)]  # [B, T], -1 outside
+            greedy = argmax.gather(1, idx)  # [B, T] the target's greedy token at the learned position
+            if self.cfg.hard_weight > 0:  # where the head can draft it
+                slot = t2d[greedy]  # [B, T] its draft slot, -1 outside the draft vocabulary
                 hard = -logq.gather(-1, slot.clamp_min(0)[..., None])[..., 0]
                 w = self.cfg.hard_weight * (slot >= 0)
                 per = (1 - w) * per + w * hard
             n = valid.sum().clamp_min(1) if counts is None else max(1, counts[j])
             losses.append((per * valid).sum() / n)
             with torch.no_grad():
-                agree = head.draft_ids[logq.argmax(-1)] == argmax.gather(1, idx)
+                agree = head.draft_ids[logq.argmax(-1)] == greedy
                 accept = torch.minimum(p, logq.exp()).sum(-1)
                 stats.append((float((agree & valid).sum()), float((accept * valid).sum()), float(valid.sum())))
         weights = self.cfg.step_decay ** torch.arange(len(losses), dtype=torch.float32)
