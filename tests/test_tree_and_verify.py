@@ -81,6 +81,35 @@ def test_ngram_respects_budget_and_no_match():
     assert drafter.propose(_ctx([1, 2, 3, 4])).num_nodes == 1
 
 
+def test_ngram_search_finds_every_earlier_occurrence_once_per_context():
+    """The one-pass search returns, for every n, the continuation starts of all earlier occurrences
+    of the last n tokens (checked against a brute-force scan on random contexts over small
+    vocabularies, where matches of every length abound); a context's key and tree share one search."""
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        length, vocab = int(torch.randint(1, 40, (1,), generator=rng)), [2, 3, 7][trial % 3]
+        tokens = torch.randint(0, vocab, (length,), generator=rng)
+        low = 1 + trial % 3
+        drafter = NgramDrafter(NgramConfig(max_ngram=low + trial % 4, min_ngram=low))
+        seq, high = tokens.tolist(), min(low + trial % 4, length - 1)
+        expected = {n: [i + n for i in range(length - n) if seq[i:i + n] == seq[length - n:]]
+                    for n in range(low, high + 1)}
+        assert drafter._search(tokens) == expected
+    drafter, calls = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1)), []
+    search = drafter._search.__func__
+
+    def counted(self, context):
+        calls.append(self._found is None or self._found[0] is not context)
+        return search(self, context)
+
+    drafter._search = counted.__get__(drafter)
+    ctx = _ctx([7, 8, 1, 4, 5, 7, 8, 1, 2, 3, 0, 7, 8])
+    assert drafter.context_key(ctx) == 2 and drafter.propose(ctx).num_nodes > 1
+    assert calls == [True, False]  # searched once: the tree reused the key's search
+    drafter.propose(_ctx([7, 8, 1, 4, 5, 7, 8, 1, 2, 3, 0, 7, 8]))  # another context: searched again
+    assert calls[-1] is True
+
+
 def test_greedy_verdict_accepts_deepest_matching_path():
     b = TreeBuilder(0)
     a = b.add(0, 2)

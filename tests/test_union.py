@@ -69,6 +69,37 @@ def test_members_outside_the_chosen_arm_are_told_to_skip():
     assert seen["skip"] > 0 and seen["propose"] > 0 and out.stats.steps - 1 <= seen["skip"] + seen["propose"] <= out.stats.steps
 
 
+def test_a_member_alone_drafts_its_own_tree_as_drafted():
+    """A step of one member alone passes the member's tree through (same object, node order kept):
+    a union running prompt lookup alone should cost what prompt lookup costs alone; its nodes are
+    still credited to that member (acceptance rates), and the output stays exact."""
+    cfg, prompt = SamplingConfig(0.0), torch.tensor([1, 2])
+    reference = decode(table_target(), prompt, None, cfg, torch.Generator(), 90, set(), 1000).sequences[0].tolist()
+    drafted, passed = {}, []
+
+    class Keeping(OracleDrafter):
+        def propose(self, ctx):
+            tree = drafted[self] = super().propose(ctx)
+            return tree
+
+    members = [Keeping(reference, 6, depth=3, sibling=True), Keeping(reference, 6, depth=4, sibling=False)]
+    union = UnionDrafter(members, clock=step_clock())
+    propose = union.propose
+
+    def spy(ctx):
+        drafted.clear()
+        tree = propose(ctx)
+        if len(union.arms[union._arm]) == 1:
+            passed.append(tree is drafted[members[union.arms[union._arm][0]]])
+        return tree
+
+    union.propose = spy
+    out = decode(table_target(), prompt, union, cfg, torch.Generator(), 80, set(), 1000)
+    assert out.sequences[0].tolist() == reference[:82]
+    assert passed and all(passed)
+    assert union.tests.get((0, 1, 0), 0) > 0 and union.tests.get((1, 1, 0), 0) > 0
+
+
 def test_members_are_told_whether_their_tree_is_merged():
     """A member asked in a merged step gets ``ctx.merged`` (it may draft its tree for merged steps,
     :meth:`Drafter.for_merging`); asked alone, it does not (it drafts its own tree)."""

@@ -51,6 +51,10 @@ class NgramDrafter(Drafter):
     def __init__(self, config: NgramConfig, signature: TargetSignature | None = None):
         super().__init__(signature)
         self.config = config
+        # the latest context's matches: (its token tensor, {n: continuation starts}); a union asks
+        # for the context key and then the tree of the same context (the engine's ``tokens[:length]``
+        # view, one object per step, never written to), which then share one search
+        self._found: tuple[torch.Tensor, dict[int, list[int]]] | None = None
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         cfg = self.config
@@ -61,7 +65,7 @@ class NgramDrafter(Drafter):
         tokens = ctx.tokens.cpu()
         trie: dict[tuple[int, int], int] = {}
         matches = 0
-        for start in self._match_ends(tokens):
+        for start in self._match_ends(ctx.tokens):
             node = 0
             for tok in tokens[start:start + depth].tolist():
                 child = trie.get((node, tok))
@@ -78,25 +82,38 @@ class NgramDrafter(Drafter):
     def context_key(self, ctx: DraftContext) -> int:
         """The longest suffix length ``n`` (``min_ngram..max_ngram``) that occurs earlier in the
         context, 0 when none does: longer matches are accepted far more often."""
-        tokens = ctx.tokens.cpu()
-        return next((n for n in self._sizes(tokens) if self._hits(tokens, n).numel()), 0)
+        found = self._search(ctx.tokens)
+        return next((n for n in sorted(found, reverse=True) if found[n]), 0)
 
-    def _sizes(self, tokens: torch.Tensor) -> range:
-        """Suffix lengths searched, longest first."""
-        return range(min(self.config.max_ngram, tokens.shape[0] - 1), self.config.min_ngram - 1, -1)
+    def _search(self, context: torch.Tensor) -> dict[int, list[int]]:
+        """Continuation starts (increasing) of the earlier occurrences of the last ``n`` tokens of
+        ``context`` (``[L]`` token ids), for every searched ``n``; once per context (see
+        ``_found``). One pass: the positions ``j <= L - 2`` holding the last token, each extended
+        backwards while it matches the suffix (at most ``max_ngram`` tokens); an occurrence of the
+        last ``n`` tokens ending at ``j`` proposes the tokens from ``j + 1``."""
+        if self._found is not None and self._found[0] is context:
+            return self._found[1]
+        low, length = self.config.min_ngram, context.shape[0]
+        high = min(self.config.max_ngram, length - 1)
+        found: dict[int, list[int]] = {n: [] for n in range(low, high + 1)}
+        if found:
+            ends = (context[: length - 1] == context[length - 1]).nonzero().flatten().tolist()
+            tail = context[max(0, length - 1 - high):].tolist()[::-1]  # tail[k] = context[L - 1 - k]
+            window = context[: length - 1].tolist() if ends else []
+            for j in ends:
+                k = 1  # context[j - k + 1 .. j] equals the last k tokens
+                while k < high and j - k >= 0 and window[j - k] == tail[k]:
+                    k += 1
+                for n in range(low, k + 1):
+                    found[n].append(j + 1)
+        self._found = (context, found)
+        return found
 
-    @staticmethod
-    def _hits(tokens: torch.Tensor, n: int) -> torch.Tensor:
-        """Continuation starts (increasing) of earlier occurrences of the last ``n`` tokens."""
-        length = tokens.shape[0]
-        windows = tokens[: length - 1].unfold(0, n, 1)  # window i = tokens[i:i+n], i + n <= L - 1
-        return (windows == tokens[length - n:]).all(-1).nonzero().flatten() + n
-
-    def _match_ends(self, tokens: torch.Tensor):
-        """Yield distinct continuation starts, longest n-gram first, most recent first."""
-        seen: set[int] = set()
-        for n in self._sizes(tokens):
-            for end in self._hits(tokens, n).flip(0).tolist():
+    def _match_ends(self, context: torch.Tensor):
+        """Yield distinct continuation starts in ``context``, longest n-gram first, most recent first."""
+        found, seen = self._search(context), set()
+        for n in sorted(found, reverse=True):
+            for end in reversed(found[n]):
                 if end not in seen:
                     seen.add(end)
                     yield end

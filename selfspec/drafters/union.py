@@ -154,6 +154,10 @@ class UnionDrafter(Drafter):
         sampled_merge: keep the first member that samples (:meth:`Drafter.may_sample`) sampling
             in merged steps, other members' point-mass nodes grafted after its children (default);
             ``False``: every member drafts point masses in merged steps (the union until round 26).
+        switch_cost: choose each step's arm with what switching to it costs (its members'
+            catch-up over the positions they skipped, spread over the steps the context state is
+            expected to last; :meth:`_with_switching`) (default); ``False``: by the arms' estimates
+            alone (the union until round 31).
     """
 
     kind = "union"
@@ -162,7 +166,7 @@ class UnionDrafter(Drafter):
     def __init__(self, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05,
                  decay: float = 0.98, probe_every: int = 16, rate_decay: float = 0.9,
                  explore_budget: float = 0.005, explore_share: float = 0.05, clock=time.perf_counter,
-                 sampled_merge: bool = True):
+                 sampled_merge: bool = True, switch_cost: bool = True):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes is None:  # never verify more nodes than the largest member would on its own
@@ -229,6 +233,13 @@ class UnionDrafter(Drafter):
         self.regret = [0.0, 0.0]
         self.alone: list[float] | None = None  # decayed seconds of each member alone, then the union's
         self.deepest = 0  # the deepest node any member drafted (no probe runs with less room left)
+        # switching costs (see `_switch_seconds`): decayed [catch-up seconds, positions] per member
+        # over catch-ups of at least `long_catch_up` positions, and per context state decayed
+        # [steps, runs] of its completed runs of consecutive steps; the current run
+        self.long_catch_up, self.switch_cost = 32, switch_cost
+        self.catch_up: list[list[float] | None] = [None] * len(members)
+        self.stay: dict[tuple[int, ...], list[float]] = {}
+        self._run: tuple[tuple[int, ...] | None, int] = (None, 0)
         self._state: tuple[int, ...] = ()
         self._arm, self._pending, self._asked = len(self.arms) - 1, None, set()
 
@@ -258,6 +269,7 @@ class UnionDrafter(Drafter):
 
     def reset(self) -> None:
         self._pending = None  # a new generation: no step to time across the gap
+        self._end_run()
         self._calls, self._seen = [], [None] * len(self.members)
         for m in self.members:
             m.reset()
@@ -300,6 +312,9 @@ class UnionDrafter(Drafter):
                                                            (self.second_sums.get(key) or [0.0, 0.0])[1])
         start = self.clock()  # the state's own cost counts towards the step it decides
         state = self._state = tuple(m.context_key(ctx) for m in self.members)
+        if state != self._run[0]:
+            self._end_run()
+        self._run = (state, self._run[1] + 1)
         keys = [(a, self.arm_key(a, state)) for a in range(len(self.arms))]
         measured = [k in self.sums for k in keys]
         self.state_steps[state] = self.state_steps.get(state, 0) + 1
@@ -311,7 +326,7 @@ class UnionDrafter(Drafter):
         unknown = [a for a, r in enumerate(guess)
                    if r is None or (len(self.arms[a]) == 1 and keys[a] not in self.token_sums)]
         unknown.sort(key=lambda a: -len(self.arms[a]))  # the merge first: its steps measure every member
-        best = self._best(guess)
+        best = self._best(self._with_switching(guess, state, ctx.tokens.shape[0]) if self.switch_cost else guess)
         probe = False
         if unknown:
             arm = unknown[0]
@@ -413,9 +428,53 @@ class UnionDrafter(Drafter):
             else:
                 cost = took + synced
                 charged -= sync + took - cost
+                if positions >= self.long_catch_up:  # a catch-up long enough to price per position
+                    old, d = self.catch_up[m] or [0.0, 0.0], self.rate_decay
+                    self.catch_up[m] = [d * old[0] + sync, d * old[1] + positions]
                 old, d = self.draft_seconds[m] or [0.0, 0.0], self.rate_decay
                 self.draft_seconds[m] = [d * old[0] + cost, d * old[1] + 1.0]
         return charged, real
+
+    def _end_run(self) -> None:
+        """Fold the current run of consecutive steps in one context state into its mean."""
+        state, steps = self._run
+        if state is not None and steps:
+            old, d = self.stay.get(state) or [0.0, 0.0], self.rate_decay
+            self.stay[state] = [d * old[0] + steps, d * old[1] + 1.0]
+        self._run = (None, 0)
+
+    def _switch_seconds(self, arm: int, state: tuple[int, ...], length: int) -> float:
+        """What switching to ``arm`` now costs per step it would run: its members' catch-up over the
+        positions they are behind (a member left out since position p runs its layer over
+        ``length - p`` positions first: the prompt, at a generation's first call) at each one's
+        measured seconds per position, spread over the steps the context ``state`` is expected to
+        last (the mean of its completed runs; one step while none is measured). ``0.0`` for an arm whose
+        members are current or catch up at no measured cost (prompt lookup)."""
+        behind = 0.0
+        for m in self.arms[arm]:
+            rate = self.catch_up[m]
+            if rate is not None and rate[1] > 0:
+                behind += rate[0] / rate[1] * (length - (self._seen[m] or 0))
+        if behind <= 0.0:
+            return 0.0
+        stay = self.stay.get(state)
+        return behind / max(1.0, stay[0] / stay[1] if stay else 1.0)
+
+    def _with_switching(self, guess: list[float | None], state: tuple[int, ...], length: int) -> list[float | None]:
+        """Arm estimates for choosing the step's arm: each arm's tokens per step over its seconds per
+        step plus what switching to it costs (:meth:`_switch_seconds`). The arm estimates price a
+        member's catch-up per position, as when it runs step after step; but a member the union
+        left out for a stretch first catches up on all of it, and where the state does not last
+        (an EAGLE-3 head whose estimate barely beats plain steps between prompt lookup's stretches),
+        each switch cost more than its steps gained."""
+        out = list(guess)
+        for a, rate in enumerate(guess):
+            extra = self._switch_seconds(a, state, length) if rate else 0.0
+            if extra > 0.0:
+                seconds = self._step_seconds(a, state)
+                if seconds:
+                    out[a] = rate * seconds / (seconds + extra)
+        return out
 
     def _next_wait(self, guess: list[float | None], arm: int, wait: int, samples: float = float("inf")) -> int:
         """Steps until ``arm`` is probed again under the keys it was estimated for: ``probe_every``
@@ -621,7 +680,13 @@ class UnionDrafter(Drafter):
         if not chosen:  # the plain arm: one token, no drafting
             return DraftTree.root_only(ctx.root_token)
         floor = self.min_value if len(chosen) > 1 else 0.0  # a member alone drafts its own tree
-        if anchored is not None and bool((anchored[0].laws[1:] != Law.POINT).any()):
+        sampled = anchored is not None and bool((anchored[0].laws[1:] != Law.POINT).any())
+        if len(chosen) == 1 and not sampled and tree.num_nodes - 1 <= self.max_nodes:
+            # a member alone within the budget: its tree as drafted (the trie would rebuild the same
+            # nodes in another order; a step of prompt lookup alone should cost what it costs alone)
+            self._sources = [[]] + [[(m, depth, rank)] for _, depth, rank in shape]
+            return tree
+        if sampled:
             return self._graft(trie, *anchored, budget=self.max_nodes if len(chosen) > 1 else 0, floor=floor)
         ranked = sorted(trie.items(), key=lambda kv: (-kv[1][0], len(kv[0])))
         builder, index = TreeBuilder(ctx.root_token), {(): 0}
