@@ -765,3 +765,73 @@ def test_exploration_is_paid_from_what_the_union_earns():
             assert probes["union"] < probes["flat"] and total["union"] < total["flat"], (probes, total)
         else:  # more probes than the floor alone allows
             assert probes["union"] > probes["floor"], probes
+
+
+def test_switching_to_a_member_behind_pays_its_catch_up_over_the_states_expected_stay():
+    """The arm choice adds what switching costs (:meth:`UnionDrafter._with_switching`): a head left
+    out for 200 positions first catches up on them (0.5 ms each, measured on catch-ups of at least
+    ``long_catch_up`` positions), spread over the steps the context state is expected to last. A
+    head 7% faster per step than plain steps is not switched to for a state that lasts 2 steps
+    (its catch-up is worth 4% of a step there: within the 5% a simpler arm is preferred by), but
+    is for a state that lasts 20 steps, or when it is current (a few positions behind); with
+    ``switch_cost=False`` (the design before) it is switched to in every case. Prompt lookup's
+    catch-up costs nothing (no switching cost)."""
+    clock = step_clock()
+    head, lookup = OracleDrafter([0] * 10, 6), OracleDrafter([0] * 10, 6)
+    state = (0, 0)
+
+    def union_with(stay: float, seen_head: int | None, switch_cost: bool = True) -> UnionDrafter:
+        union = UnionDrafter([head, lookup], clock=clock, switch_cost=switch_cost)
+        union.catch_up[0], union.catch_up[1] = [0.1, 200.0], [0.0, 400.0]  # (measured: see the next test)
+        union.stay[state] = [stay, 1.0]
+        union._seen = [seen_head, 198]
+        for arm, seconds in ((0, 1.0), (1, 1.17), (2, 1.0), (3, 1.2)):
+            union.second_sums[(arm, union.arm_key(arm, state))] = [seconds, 1.0]
+        return union
+
+    guess = [1.0, 1.07, 1.0, 1.02]  # tokens/s: plain, head alone, lookup alone (no match), merge
+
+    def chosen(union):
+        return union._best(union._with_switching(guess, state, 200) if union.switch_cost else guess)
+
+    assert union_with(2.0, None)._switch_seconds(1, state, 200) == pytest.approx(0.05)
+    assert union_with(2.0, None)._switch_seconds(2, state, 200) == 0.0  # prompt lookup: free
+    assert chosen(union_with(2.0, None)) == 0  # a short stay: plain steps
+    assert chosen(union_with(20.0, None)) == 1  # a long stay: the head pays its catch-up back
+    assert chosen(union_with(2.0, 197)) == 1  # current: nothing to catch up on
+    assert chosen(union_with(2.0, None, switch_cost=False)) == 1  # control: estimates alone
+
+
+def test_catch_up_costs_and_state_stays_are_measured_from_the_steps():
+    """The inputs of the switching cost come from the run itself: a member's catch-up seconds per
+    position from its timed syncs over at least ``long_catch_up`` positions (first calls left
+    out), and a state's expected stay from its completed runs of consecutive steps."""
+    clock = _Clock()
+
+    class Head(OracleDrafter):
+        seen = 0
+
+        def reset(self):
+            self.seen = 0
+
+        def sync(self, ctx):
+            clock.spend(0.01 * (ctx.tokens.shape[0] - self.seen))
+            self.seen = ctx.tokens.shape[0]
+
+        def propose(self, ctx):
+            self.sync(ctx)
+            clock.spend(0.1)
+            return super().propose(ctx)
+
+    prompt = torch.tensor([1, 2])
+    reference = decode(table_target(), prompt, None, SamplingConfig(0.0), torch.Generator(), 420, set(),
+                       1000).sequences[0].tolist()
+    Lookup = _stretch_lookup(clock, lambda ctx: ctx.tokens.shape[0] % 80 < 60)
+    union = UnionDrafter([Head(reference, 6, depth=2, sibling=False), Lookup(reference, 6, depth=6, sibling=False)],
+                         clock=clock)
+    _plain_race_speed(clock, union, reference, 400)
+    seconds, positions = union.catch_up[0]
+    # the sync's own cost per position is 0.01 s with log-normal noise (sigma 0.25)
+    assert positions >= union.long_catch_up and 0.007 < seconds / positions < 0.015
+    assert set(union.stay) <= set(union.state_steps) and union.stay
+    assert all(steps >= runs > 0 for steps, runs in union.stay.values())
