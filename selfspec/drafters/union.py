@@ -75,6 +75,18 @@ arms' steps paid for that whole stretch (a head that paid alone, 1.2x over plain
 measured slower than plain steps inside the union), so the longer a member was left out, the worse
 it looked, and the less it was probed.
 
+That per-position charge prices an arm as it runs step after step; switching to it after a
+stretch of other arms' steps costs its whole catch-up first. The arm choice therefore adds a
+*switching cost* (:meth:`UnionDrafter._with_switching`): each member's catch-up over the positions
+it is behind (seconds per position measured on its catch-ups of at least ``long_catch_up``
+positions; prompt lookup's is free), spread over the steps the current context state is expected
+to last (the mean of its completed runs of consecutive steps). On the adversarial prompts an
+EAGLE-3 head that barely beat plain steps where prompt lookup found no match was switched to at a
+generation's start, paying its catch-up over the prompt for a step or two; where a state lasts,
+as in prose, the cost spreads thin and the head runs as before. (Measured side by side in round
+31, the effect is within the noise either way: docs/benchmarks.md.) Probes are budgeted by their
+real cost, catch-up whole (below).
+
 A member's first call in the process counts at most as much as the rest of its step (the verify
 pass and the other members' drafting), in the step's time and as the member's drafting time. A
 first call pays one-off costs (kernel selection, weight packing: about half a second for an
