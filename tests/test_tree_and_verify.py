@@ -99,7 +99,7 @@ def test_ngram_search_finds_every_earlier_occurrence_once_per_context():
     search = drafter._search.__func__
 
     def counted(self, context):
-        calls.append(self._found is None or self._found[0] is not context)
+        calls.append(self._found is None or self._found[0] is not context or self._found[1] != context._version)
         return search(self, context)
 
     drafter._search = counted.__get__(drafter)
@@ -108,6 +108,8 @@ def test_ngram_search_finds_every_earlier_occurrence_once_per_context():
     assert calls == [True, False]  # searched once: the tree reused the key's search
     drafter.propose(_ctx([7, 8, 1, 4, 5, 7, 8, 1, 2, 3, 0, 7, 8]))  # another context: searched again
     assert calls[-1] is True
+    ctx.tokens[-2:] = torch.tensor([6, 6])  # the same tensor written in place: searched again (key 1: "6" before)
+    assert drafter.context_key(ctx) == 1 and calls[-1] is True
 
 
 def test_greedy_verdict_accepts_deepest_matching_path():

@@ -51,10 +51,11 @@ class NgramDrafter(Drafter):
     def __init__(self, config: NgramConfig, signature: TargetSignature | None = None):
         super().__init__(signature)
         self.config = config
-        # the latest context's matches: (its token tensor, {n: continuation starts}); a union asks
-        # for the context key and then the tree of the same context (the engine's ``tokens[:length]``
-        # view, one object per step, never written to), which then share one search
-        self._found: tuple[torch.Tensor, dict[int, list[int]]] | None = None
+        # the latest context's matches: (its token tensor, its version counter, {n: continuation
+        # starts}); a union asks for the context key and then the tree of the same context (the
+        # engine's ``tokens[:length]`` view, one object per step), which then share one search; a
+        # tensor written in place since (its version moved) is searched again
+        self._found: tuple[torch.Tensor, int, dict[int, list[int]]] | None = None
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         cfg = self.config
@@ -91,8 +92,8 @@ class NgramDrafter(Drafter):
         ``_found``). One pass: the positions ``j <= L - 2`` holding the last token, each extended
         backwards while it matches the suffix (at most ``max_ngram`` tokens); an occurrence of the
         last ``n`` tokens ending at ``j`` proposes the tokens from ``j + 1``."""
-        if self._found is not None and self._found[0] is context:
-            return self._found[1]
+        if self._found is not None and self._found[0] is context and self._found[1] == context._version:
+            return self._found[2]
         low, length = self.config.min_ngram, context.shape[0]
         high = min(self.config.max_ngram, length - 1)
         found: dict[int, list[int]] = {n: [] for n in range(low, high + 1)}
@@ -106,7 +107,7 @@ class NgramDrafter(Drafter):
                     k += 1
                 for n in range(low, k + 1):
                     found[n].append(j + 1)
-        self._found = (context, found)
+        self._found = (context, context._version, found)
         return found
 
     def _match_ends(self, context: torch.Tensor):

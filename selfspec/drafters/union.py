@@ -308,6 +308,8 @@ class UnionDrafter(Drafter):
 
     def _choose_arm(self, ctx: DraftContext) -> int:
         """Close the timing of the previous step, then pick this step's arm."""
+        # the committed length at the previous step's start (a member called there is current)
+        since = self._pending[3] if self._pending is not None else ctx.tokens.shape[0]
         if self._pending is not None:
             state, arm, start, length, tokens, probe, empty, ref, base = self._pending
             now = self.clock()
@@ -338,7 +340,7 @@ class UnionDrafter(Drafter):
         unknown = [a for a, r in enumerate(guess)
                    if r is None or (len(self.arms[a]) == 1 and keys[a] not in self.token_sums)]
         unknown.sort(key=lambda a: -len(self.arms[a]))  # the merge first: its steps measure every member
-        best = self._best(self._with_switching(guess, state, ctx.tokens.shape[0]) if self.switch_cost else guess)
+        best = self._best(self._with_switching(guess, state, since) if self.switch_cost else guess)
         probe = False
         if unknown:
             arm = unknown[0]
@@ -448,31 +450,36 @@ class UnionDrafter(Drafter):
         return charged, real
 
     def _end_run(self) -> None:
-        """Fold the current run of consecutive steps in one context state into its mean."""
+        """Fold the current run of consecutive steps in one context state into its mean. A run that
+        a generation's end cut short counts as it ran: a switch there had only those steps to pay
+        back its catch-up."""
         state, steps = self._run
         if state is not None and steps:
             old, d = self.stay.get(state) or [0.0, 0.0], self.rate_decay
             self.stay[state] = [d * old[0] + steps, d * old[1] + 1.0]
         self._run = (None, 0)
 
-    def _switch_seconds(self, arm: int, state: tuple[int, ...], length: int) -> float:
+    def _switch_seconds(self, arm: int, state: tuple[int, ...], since: int) -> float:
         """What switching to ``arm`` now costs per step it would run: its members' catch-up over the
-        positions they are behind (a member left out since position p runs its layer over
-        ``length - p`` positions first: the prompt, at a generation's first call) at each one's
-        measured seconds per position, spread over the steps the context ``state`` is expected to
-        last (the mean of its completed runs; one step while none is measured). ``0.0`` for an arm whose
-        members are current or catch up at no measured cost (prompt lookup)."""
+        positions they are behind beyond the last step's (a member last called at position p, or
+        never in this generation, p = 0, runs its layer over ``since - p`` positions more than a
+        member called in the last step, which started at ``since``; the prompt, at a generation's
+        first call) at each one's measured seconds per position, spread over the steps the context
+        ``state`` is expected to last (the mean of its completed runs; one step while none is
+        measured). ``0.0`` for an arm whose members were called in the last step (their
+        per-position catch-up is in the arm's step seconds already) or catch up at no measured
+        cost (prompt lookup)."""
         behind = 0.0
         for m in self.arms[arm]:
             rate = self.catch_up[m]
             if rate is not None and rate[1] > 0:
-                behind += rate[0] / rate[1] * (length - (self._seen[m] or 0))
+                behind += rate[0] / rate[1] * max(0, since - (self._seen[m] or 0))
         if behind <= 0.0:
             return 0.0
         stay = self.stay.get(state)
         return behind / max(1.0, stay[0] / stay[1] if stay else 1.0)
 
-    def _with_switching(self, guess: list[float | None], state: tuple[int, ...], length: int) -> list[float | None]:
+    def _with_switching(self, guess: list[float | None], state: tuple[int, ...], since: int) -> list[float | None]:
         """Arm estimates for choosing the step's arm: each arm's tokens per step over its seconds per
         step plus what switching to it costs (:meth:`_switch_seconds`). The arm estimates price a
         member's catch-up per position, as when it runs step after step; but a member the union
@@ -481,7 +488,7 @@ class UnionDrafter(Drafter):
         each switch cost more than its steps gained."""
         out = list(guess)
         for a, rate in enumerate(guess):
-            extra = self._switch_seconds(a, state, length) if rate else 0.0
+            extra = self._switch_seconds(a, state, since) if rate else 0.0
             if extra > 0.0:
                 seconds = self._step_seconds(a, state)
                 if seconds:
@@ -696,7 +703,8 @@ class UnionDrafter(Drafter):
         if len(chosen) == 1 and not sampled and tree.num_nodes - 1 <= self.max_nodes:
             # a member alone within the budget: its tree as drafted (the trie would rebuild the same
             # nodes in another order; a step of prompt lookup alone should cost what it costs alone)
-            self._sources = [[]] + [[(m, depth, rank)] for _, depth, rank in shape]
+            (only,) = chosen  # (not the loop's last `m`: that runs over every member)
+            self._sources = [[]] + [[(only, depth, rank)] for _, depth, rank in shape]
             return tree
         if sampled:
             return self._graft(trie, *anchored, budget=self.max_nodes if len(chosen) > 1 else 0, floor=floor)
