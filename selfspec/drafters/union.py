@@ -83,9 +83,11 @@ positions; prompt lookup's is free), spread over the steps the current context s
 to last (the mean of its completed runs of consecutive steps). On the adversarial prompts an
 EAGLE-3 head that barely beat plain steps where prompt lookup found no match was switched to at a
 generation's start, paying its catch-up over the prompt for a step or two; where a state lasts,
-as in prose, the cost spreads thin and the head runs as before. (Measured side by side in round
-31, the effect is within the noise either way: docs/benchmarks.md.) Probes are budgeted by their
-real cost, catch-up whole (below).
+as in prose, the cost spreads thin. Measured side by side in round 31 (docs/benchmarks.md) it did
+not pay: level or up to 2% slower on the adversarial prompts, MT-Bench and BFCL, every interval
+including or touching 1.00x; so it is off by default (``switch_cost=True`` turns it on). The
+statistics it reads are kept either way. Probes are budgeted by their real cost, catch-up whole
+(below).
 
 A member's first call in the process counts at most as much as the rest of its step (the verify
 pass and the other members' drafting), in the step's time and as the member's drafting time. A
@@ -168,8 +170,8 @@ class UnionDrafter(Drafter):
             ``False``: every member drafts point masses in merged steps (the union until round 26).
         switch_cost: choose each step's arm with what switching to it costs (its members'
             catch-up over the positions they skipped, spread over the steps the context state is
-            expected to last; :meth:`_with_switching`) (default); ``False``: by the arms' estimates
-            alone (the union until round 31).
+            expected to last; :meth:`_with_switching`); default ``False``: by the arms' estimates
+            alone (measured as fast or faster in round 31; see the module docstring).
     """
 
     kind = "union"
@@ -178,7 +180,7 @@ class UnionDrafter(Drafter):
     def __init__(self, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05,
                  decay: float = 0.98, probe_every: int = 16, rate_decay: float = 0.9,
                  explore_budget: float = 0.005, explore_share: float = 0.05, clock=time.perf_counter,
-                 sampled_merge: bool = True, switch_cost: bool = True):
+                 sampled_merge: bool = True, switch_cost: bool = False):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes is None:  # never verify more nodes than the largest member would on its own
