@@ -76,8 +76,8 @@ measured slower than plain steps inside the union), so the longer a member was l
 it looked, and the less it was probed.
 
 That per-position charge prices an arm as it runs step after step; switching to it after a
-stretch of other arms' steps costs its whole catch-up first. The arm choice therefore adds a
-*switching cost* (:meth:`UnionDrafter._with_switching`): each member's catch-up over the positions
+stretch of other arms' steps costs its whole catch-up first. With ``switch_cost=True`` the arm
+choice adds a *switching cost* (:meth:`UnionDrafter._with_switching`): each member's catch-up over the positions
 it is behind (seconds per position measured on its catch-ups of at least ``long_catch_up``
 positions; prompt lookup's is free), spread over the steps the current context state is expected
 to last (the mean of its completed runs of consecutive steps). On the adversarial prompts an
