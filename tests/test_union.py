@@ -475,6 +475,29 @@ def _stretch_lookup(clock, matching):
     return Lookup
 
 
+def _catching_up_head(clock, per_position: float, per_draft: float):
+    """A head-like drafter class with its own cache, as an EAGLE-3 layer's: ``sync`` costs
+    ``per_position`` on ``clock`` per position it is behind, and each draft ``per_draft`` more
+    (alone, nothing calls ``sync``: ``propose`` catches up itself)."""
+
+    class Head(OracleDrafter):
+        seen = 0
+
+        def reset(self):
+            self.seen = 0
+
+        def sync(self, ctx):
+            clock.spend(per_position * (ctx.tokens.shape[0] - self.seen))
+            self.seen = ctx.tokens.shape[0]
+
+        def propose(self, ctx):
+            self.sync(ctx)
+            clock.spend(per_draft)
+            return super().propose(ctx)
+
+    return Head
+
+
 def test_a_member_left_out_is_not_charged_for_catching_up_on_what_it_skipped():
     """A head with its own cache (syncing costs per position behind, as an EAGLE-3 layer's does)
     that pays a little alone, and a lookup that copies in alternate stretches of 40 tokens and
@@ -486,20 +509,7 @@ def test_a_member_left_out_is_not_charged_for_catching_up_on_what_it_skipped():
     clock = _Clock()
     period = 40
 
-    class Head(OracleDrafter):
-        seen = 0
-
-        def reset(self):
-            self.seen = 0
-
-        def sync(self, ctx):
-            clock.spend(0.05 * (ctx.tokens.shape[0] - self.seen))
-            self.seen = ctx.tokens.shape[0]
-
-        def propose(self, ctx):
-            self.sync(ctx)  # (alone, nothing calls sync: propose catches up itself)
-            clock.spend(0.2)
-            return super().propose(ctx)
+    Head = _catching_up_head(clock, per_position=0.05, per_draft=0.2)
 
     def matching(ctx):
         return (ctx.tokens.shape[0] // period) % 2 == 0
@@ -813,20 +823,7 @@ def test_catch_up_costs_and_state_stays_are_measured_from_the_steps():
     out), and a state's expected stay from its completed runs of consecutive steps."""
     clock = _Clock()
 
-    class Head(OracleDrafter):
-        seen = 0
-
-        def reset(self):
-            self.seen = 0
-
-        def sync(self, ctx):
-            clock.spend(0.01 * (ctx.tokens.shape[0] - self.seen))
-            self.seen = ctx.tokens.shape[0]
-
-        def propose(self, ctx):
-            self.sync(ctx)
-            clock.spend(0.1)
-            return super().propose(ctx)
+    Head = _catching_up_head(clock, per_position=0.01, per_draft=0.1)
 
     prompt = torch.tensor([1, 2])
     reference = decode(table_target(), prompt, None, SamplingConfig(0.0), torch.Generator(), 420, set(),
