@@ -60,6 +60,16 @@ after a losing probe. Accepted lengths vary from 1 to 5 step to step: on the dem
 head's first step accepted nothing, its arm was priced below plain steps on that one step and was
 not tried again for 32 steps, a quarter of the generation. The model pools every tested node over
 all keys, so a member that is never right is not explored again under each new key.
+The model learns from the same unlucky steps, though: at T=0.7 a head's first steps of a reply (a
+title, the first words) are often all wrong, its measured tokens per step and its model both said
+about one token a step, below plain steps at its cost, and on the probe schedule (one probe in 16
+steps, each of weight one against ten) a fresh union ran plain steps for most of MT-Bench's first
+writing turn (0.81x of the head alone in round 32; in 11 of 16 fresh unions there). So a member
+alone is also due every ``probe_every // 4`` steps while it *could* still be the best: while its
+upper estimate (:meth:`UnionDrafter._upper_estimate`: its tokens per step ``upper_z`` standard
+errors higher, the spread measured over its steps, its seconds with what switching to it costs
+now) beats the fastest arm's estimate. Such probes may spend ``promising_budget`` times the
+exploration budget below; a member that is never right has a small spread and does not qualify.
 So in every state the union runs what its best member
 with its own policy would run there (that member, or plain steps), up to the probes. Members not
 asked in a step are told to ``skip`` it (so feature-reading drafters stay in sync). Which arm
@@ -126,7 +136,8 @@ generations where one member always wins (prompt lookup on copy-heavy text), pro
 schedule alone lost about a step per generation. Probes are therefore rationed: the *regret* of
 every exploring step (its real seconds less what the best arm's estimate would take for its
 tokens) is kept as a decayed sum, and no probe runs while it exceeds the exploration budget below
-(:meth:`UnionDrafter._may_explore`). Nor does a probe run when fewer tokens are
+(:meth:`UnionDrafter._may_explore`; from a fresh union's first step on, as if it had run for the
+decay horizon at that step's pace). Nor does a probe run when fewer tokens are
 left in the generation than the deepest draft a member made: its step would be cut short, cost as
 much, and price its arm by a truncated draft.
 """
@@ -172,6 +183,12 @@ class UnionDrafter(Drafter):
             catch-up over the positions they skipped, spread over the steps the context state is
             expected to last; :meth:`_with_switching`); default ``False``: by the arms' estimates
             alone (measured as fast or faster in round 31; see the module docstring).
+        upper_z: standard errors above a member's measured tokens per step at which it *could*
+            still be the best arm (:meth:`_upper_estimate`); such an arm is probed every
+            ``probe_every // 4`` steps. A very low value (``-1e9``) turns this off (the union
+            until round 32).
+        promising_budget: exploration budget, in multiples of ``explore_budget``, for probes of
+            arms that could still be the best (others stop at ``explore_budget``).
     """
 
     kind = "union"
@@ -180,7 +197,8 @@ class UnionDrafter(Drafter):
     def __init__(self, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05,
                  decay: float = 0.98, probe_every: int = 16, rate_decay: float = 0.9,
                  explore_budget: float = 0.005, explore_share: float = 0.05, clock=time.perf_counter,
-                 sampled_merge: bool = True, switch_cost: bool = False):
+                 sampled_merge: bool = True, switch_cost: bool = False, upper_z: float = 2.0,
+                 promising_budget: float = 2.0):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes is None:  # never verify more nodes than the largest member would on its own
@@ -192,6 +210,8 @@ class UnionDrafter(Drafter):
                              f"{min_value}, {decay}, {rate_decay}")
         if probe_every < 2:
             raise ValueError(f"probe_every must be >= 2, got {probe_every}")
+        if promising_budget < 1.0:
+            raise ValueError(f"promising_budget must be >= 1 (a multiple of explore_budget), got {promising_budget}")
         if not 0.0 <= explore_budget <= 1.0 or not 0.0 <= explore_share <= 1.0:
             raise ValueError(f"explore_budget and explore_share must be in [0, 1], got {explore_budget}, "
                              f"{explore_share}")
@@ -224,6 +244,7 @@ class UnionDrafter(Drafter):
         # accepted there: paired with the merge on the same steps), and [seconds, steps] of its own
         # steps only
         self.token_sums: dict[tuple[int, tuple[int, ...]], list[float]] = {}
+        self.token_squares: dict[tuple[int, tuple[int, ...]], float] = {}  # decayed sums of squared tokens
         self.second_sums: dict[tuple[int, tuple[int, ...]], list[float]] = {}
         self.pooled_seconds: list[list[float] | None] = [None] * len(self.arms)
         # per (context state, member): decayed [merge's tokens, the member's alone] over merged steps
@@ -233,6 +254,7 @@ class UnionDrafter(Drafter):
         self.probe_every, self.rate_decay, self.clock = probe_every, rate_decay, clock
         self.probe_margin, self.max_probe_wait, self.select_margin = 0.1, 16 * probe_every, 0.05
         self.min_samples = 3.0  # own steps (decayed count) before a losing probe lengthens the wait
+        self.upper_z, self.promising_budget = upper_z, promising_budget  # see `_upper_estimate`
         self.draft_seconds: list[list[float] | None] = [None] * len(members)  # decayed [seconds, calls]
         self.warm = [False] * len(members)  # has a step with the member's call been timed?
         self._seen: list[int | None] = [None] * len(members)  # committed length at its last call
@@ -303,7 +325,7 @@ class UnionDrafter(Drafter):
         self.sums[key] = [d * old[0] + tokens, d * old[1] + seconds]
         old = self.pooled_sums[arm] or [0.0, 0.0]
         self.pooled_sums[arm] = [d * old[0] + tokens, d * old[1] + seconds]
-        _accumulate(self.token_sums, key, tokens, d)
+        self._count_tokens(key, tokens)
         _accumulate(self.second_sums, key, seconds, d)
         old = self.pooled_seconds[arm] or [0.0, 0.0]
         self.pooled_seconds[arm] = [d * old[0] + seconds, d * old[1] + 1.0]
@@ -360,8 +382,13 @@ class UnionDrafter(Drafter):
             # probe there costs the most, but never probing it would freeze an estimate that one
             # unlucky step made)
             # An arm whose tokens per step rest on fewer than min_samples steps is due every
-            # probe_every // 4 steps (and may follow another probe that soon) until they do
-            few = [samples[a] < self.min_samples and (self._model_estimate(a, state) or 0.0) > (guess[best] or 0.0)
+            # probe_every // 4 steps (and may follow another probe that soon) until they do; and so is
+            # a member alone whose measured tokens per step could still make it the best (the upper
+            # end of their spread, see `_upper_estimate`)
+            top = guess[best] or 0.0
+            fastest = max((r or 0.0) for r in guess)  # (the best may be a simpler arm a little slower)
+            could = [(self._upper_estimate(a, state, since) or 0.0) > fastest for a in range(len(self.arms))]
+            few = [(samples[a] < self.min_samples and (self._model_estimate(a, state) or 0.0) > top) or could[a]
                    for a in range(len(self.arms))]
             quick = max(1, self.probe_every // 4)
             due = [a for a in range(len(self.arms)) if a != best
@@ -370,8 +397,8 @@ class UnionDrafter(Drafter):
                        quick if few[a] else self.probe_wait.get(keys[a], self.probe_every)
                        if (guess[a] or 0.0) >= 0.5 * (guess[best] or 0.0) else self.max_probe_wait)]
             due.sort(key=lambda a: (not few[a], measured[a], self.last_probe.get(keys[a], 0)))
-            if due and not self._may_explore():  # exploration has spent its share of the time
-                due = []
+            if due and not self._may_explore():  # exploration has spent its share of the time (an arm
+                due = [a for a in due if could[a]] if self._may_explore(self.promising_budget) else []  # that could win: more)
             room = ctx.max_depth if ctx.room is None else ctx.room  # (not the adaptive cap)
             if room < self.deepest:  # near the end of a generation a probe is cut short: its
                 due = []  # step would price its arm by a truncated draft (and cost as much)
@@ -403,6 +430,8 @@ class UnionDrafter(Drafter):
         banks no credit)."""
         d = self.explore_decay
         regret = seconds - tokens / ref if ref else 0.0
+        if self.regret[1] <= 0.0:  # the first step: decode time as if the union had run at its pace
+            self.regret[1] = seconds / (1.0 - d)  # for the whole decay horizon (stationary: see `_may_explore`)
         self.regret = [max(0.0, d * self.regret[0] + regret), d * self.regret[1] + seconds]
         if base is not None:
             old = self.alone or [0.0] * (len(base) + 1)
@@ -415,15 +444,21 @@ class UnionDrafter(Drafter):
         negative."""
         return 0.0 if self.alone is None else min(self.alone[:-1]) - self.alone[-1]
 
-    def _may_explore(self) -> bool:
+    def _may_explore(self, scale: float = 1.0) -> bool:
         """Whether a probe may run now: exploration's recent regret is within ``explore_budget``
         of the recent decode time plus ``explore_share`` of the recent profit. Probes are how
         estimates stay current, but where every other arm is clearly worse (a head that is never
         right on copy-heavy text, in short generations that pay its catch-up over the prompt at
         each probe), each one is pure cost: this bounds that cost to about the floor's share of
         the time where the union earns nothing over its best member, whatever the probe schedule
-        says, and lets it explore more where its choices pay."""
-        return self.regret[0] <= self.explore_budget * self.regret[1] + self.explore_share * max(0.0, self.profit)
+        says, and lets it explore more where its choices pay. The decayed decode time starts at
+        its stationary value (the first step's seconds over the decay horizon), not at zero: from
+        zero, a fresh union's budget was a few milliseconds for its first hundred steps, one losing
+        probe (a head at T=0.7 that accepted nothing) stopped every probe for most of the first
+        generation, and the union ran plain steps where the head paid (MT-Bench's first writing
+        turn, round 32). A union is new once per process; its start is where exploring pays
+        most."""
+        return self.regret[0] <= scale * self.explore_budget * self.regret[1] + self.explore_share * max(0.0, self.profit)
 
     def _charge_calls(self, seconds: float, tokens: int) -> tuple[float, float]:
         """The seconds a step that emitted ``tokens`` is charged, and its members' drafting times
@@ -581,6 +616,43 @@ class UnionDrafter(Drafter):
         m = self.arms[arm][0]
         expected, seconds = self.expected_tokens(m, state[m]), self._step_seconds(arm, state)
         return None if expected is None or seconds is None else expected / seconds
+
+    def _count_tokens(self, key: tuple[int, tuple[int, ...]], tokens: float) -> None:
+        """One step's ``tokens`` for an arm under its keys (its own step, or a merged step's credit):
+        decayed sum and count, and sum of squares (for :meth:`_upper_estimate`)."""
+        _accumulate(self.token_sums, key, tokens, self.rate_decay)
+        self.token_squares[key] = self.rate_decay * self.token_squares.get(key, 0.0) + tokens * tokens
+
+    def _upper_estimate(self, arm: int, state: tuple[int, ...], since: int | None = None) -> float | None:
+        """Tokens/s of a member alone if its tokens per step were ``upper_z`` standard errors above
+        :meth:`_tokens_per_step`, over its seconds per step plus, given ``since`` (the committed
+        length at the last step's start), what switching to it now costs per step
+        (:meth:`_switch_seconds`). ``None`` for plain steps, the merge, or an arm with no steps.
+
+        The spread is that of its measured steps (own and paired, decayed like their sum), with
+        one pseudo-step at the variance of a geometric accepted length of the mean its value model
+        expects, ``e``: ``e * (e - 1)`` (a head at 1.7 tokens a step spreads about a token either
+        way; prompt lookup without a match drafts nothing and spreads none), so that two equal
+        first steps do not claim certainty. While this beats the fastest arm's estimate the arm
+        *could* still be the best and is probed every ``probe_every // 4`` steps (see the module
+        docstring), as the head's own adaptive policy keeps drafting while the upper confidence
+        bound of its gain (2 standard errors) is above its bar; a head that is never right has a
+        small spread and is not kept exploring."""
+        if len(self.arms[arm]) != 1:
+            return None
+        key = (arm, self.arm_key(arm, state))
+        tokens, seconds = self.token_sums.get(key), self._step_seconds(arm, state)
+        per_step = self._tokens_per_step(arm, state)
+        if tokens is None or tokens[1] <= 0 or seconds is None or per_step is None:
+            return None
+        mean = tokens[0] / tokens[1]
+        spread = max(0.0, self.token_squares.get(key, 0.0) - tokens[1] * mean * mean)
+        m = self.arms[arm][0]
+        expected = self.expected_tokens(m, state[m]) or 1.0  # the pseudo-step: a geometric spread
+        variance = (spread + expected * (expected - 1.0)) / (tokens[1] + 1.0)
+        if since is not None:  # what switching to it now costs per step (its catch-up, see `_switch_seconds`)
+            seconds += self._switch_seconds(arm, state, since)
+        return (per_step + self.upper_z * (variance / (tokens[1] + 1.0)) ** 0.5) / seconds
 
     def _tokens_per_step(self, arm: int, state: tuple[int, ...]) -> float | None:
         """Measured tokens per step of ``arm`` under its members' keys, with one pseudo-step at
@@ -779,7 +851,7 @@ class UnionDrafter(Drafter):
                 alone = next((i for i, node in enumerate(verdict.path[1:])
                               if node >= len(self._sources) or all(src[0] != m for src in self._sources[node])),
                              verdict.num_accepted)
-                _accumulate(self.token_sums, (1 + m, self.arm_key(1 + m, state)), alone + 1.0, self.rate_decay)
+                self._count_tokens((1 + m, self.arm_key(1 + m, state)), alone + 1.0)
                 old, d = self.paired.get((state, m)) or [0.0, 0.0], self.rate_decay
                 self.paired[(state, m)] = [d * old[0] + verdict.num_accepted + 1.0, d * old[1] + alone + 1.0]
         parents = tree.parents.tolist()
