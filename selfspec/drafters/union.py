@@ -185,7 +185,7 @@ class UnionDrafter(Drafter):
             alone (measured as fast or faster in round 31; see the module docstring).
         upper_z: standard errors above a member's measured tokens per step at which it *could*
             still be the best arm (:meth:`_upper_estimate`); such an arm is probed every
-            ``probe_every // 4`` steps. A very low value (``-1e9``) turns this off (the union
+            ``probe_every // 4`` steps. A very low value (``-1000.0``) turns this off (the union
             until round 32).
         promising_budget: exploration budget, in multiples of ``explore_budget``, for probes of
             arms that could still be the best (others stop at ``explore_budget``).
@@ -254,7 +254,7 @@ class UnionDrafter(Drafter):
         self.probe_every, self.rate_decay, self.clock = probe_every, rate_decay, clock
         self.probe_margin, self.max_probe_wait, self.select_margin = 0.1, 16 * probe_every, 0.05
         self.min_samples = 3.0  # own steps (decayed count) before a losing probe lengthens the wait
-        self.upper_z, self.promising_budget = upper_z, promising_budget  # see `_upper_estimate`
+        self.upper_z, self.promising_budget = float(upper_z), float(promising_budget)  # see `_upper_estimate`
         self.draft_seconds: list[list[float] | None] = [None] * len(members)  # decayed [seconds, calls]
         self.warm = [False] * len(members)  # has a step with the member's call been timed?
         self._seen: list[int | None] = [None] * len(members)  # committed length at its last call
@@ -397,8 +397,9 @@ class UnionDrafter(Drafter):
                        quick if few[a] else self.probe_wait.get(keys[a], self.probe_every)
                        if (guess[a] or 0.0) >= 0.5 * (guess[best] or 0.0) else self.max_probe_wait)]
             due.sort(key=lambda a: (not few[a], measured[a], self.last_probe.get(keys[a], 0)))
-            if due and not self._may_explore():  # exploration has spent its share of the time (an arm
-                due = [a for a in due if could[a]] if self._may_explore(self.promising_budget) else []  # that could win: more)
+            if due and not self._may_explore():  # exploration has spent its share of the time; arms
+                # that could still be the best may spend promising_budget times as much
+                due = [a for a in due if could[a]] if self._may_explore(self.promising_budget) else []
             room = ctx.max_depth if ctx.room is None else ctx.room  # (not the adaptive cap)
             if room < self.deepest:  # near the end of a generation a probe is cut short: its
                 due = []  # step would price its arm by a truncated draft (and cost as much)
@@ -445,8 +446,9 @@ class UnionDrafter(Drafter):
         return 0.0 if self.alone is None else min(self.alone[:-1]) - self.alone[-1]
 
     def _may_explore(self, scale: float = 1.0) -> bool:
-        """Whether a probe may run now: exploration's recent regret is within ``explore_budget``
-        of the recent decode time plus ``explore_share`` of the recent profit. Probes are how
+        """Whether a probe may run now: exploration's recent regret is within ``scale`` times
+        ``explore_budget`` of the recent decode time plus ``explore_share`` of the recent profit
+        (``scale``: ``promising_budget`` for an arm that could still be the best). Probes are how
         estimates stay current, but where every other arm is clearly worse (a head that is never
         right on copy-heavy text, in short generations that pay its catch-up over the prompt at
         each probe), each one is pure cost: this bounds that cost to about the floor's share of

@@ -1,0 +1,101 @@
+"""How fresh unions fare on one prompt (a diagnostic of the union's arm choice at a process's
+start, not a benchmark: no baseline, no interval).
+
+    python scripts/union_cold_start.py --category writing --temperature 0.7 --unions 8 \\
+        --variants "" "upper_z=-1000.0" --out docs/results/r33_union_cold_start
+
+A union learns its arms' speeds across calls, so the first prompt of a process is where a few
+unlucky steps weigh the most (the benchmark's first prompt, MT-Bench's first writing turn, ran at
+0.81x of the head alone at T=0.7 in round 32). For each of ``--unions`` rounds, one fresh union per
+variant (``UnionDrafter`` options, as in a ``union@key=value,...:a+b`` spec; ``""``: the defaults)
+is warmed up as the benchmark warms up its methods (its members one by one, then a 2-token run)
+and generates ``--max-new-tokens`` tokens from the first turn of the first MT-Bench question of
+``--category``, ``--generations`` times in a row (seeds 0, 1, ...; the union kept). The variants
+alternate within each round, so load on this shared machine hits them alike. Reported per variant:
+generations whose mean accepted length stayed under ``--floor`` (the union ran plain steps), the
+mean MAT, mean tokens/s (prefill included), and the steps per arm summed over all generations.
+Writes <out>.json and <out>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import selfspec  # noqa: E402
+from selfspec.chat import encode_chat  # noqa: E402
+from selfspec.measurement import benchmark  # noqa: E402
+from selfspec.measurement.benchmark import method_from_spec  # noqa: E402
+from selfspec.measurement.measure import write_result  # noqa: E402
+from selfspec.measurement.workloads import load_questions, take_per_category  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=selfspec.DEFAULT_TARGET)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--questions", default=str(SHARED / "mt_bench_question.jsonl"))
+    ap.add_argument("--category", required=True)
+    ap.add_argument("--members", default="eagle3+ngram")
+    ap.add_argument("--variants", nargs="+", default=[""], help="UnionDrafter options per variant ('' = defaults)")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--unions", type=int, default=8, help="fresh unions per variant")
+    ap.add_argument("--generations", type=int, default=2, help="generations per fresh union")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--floor", type=float, default=1.35, help="a generation under this MAT counts as benched")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.unions < 1 or args.generations < 1:
+        raise SystemExit("--unions and --generations must be >= 1")
+    torch.set_grad_enabled(False)
+    model, tok = selfspec.load_target(args.target, dtype=args.dtype)
+    questions = {q.category: q for q in take_per_category(load_questions(args.questions), 1)}
+    if args.category not in questions:
+        raise SystemExit(f"no question of category {args.category!r} in {args.questions}")
+    ids = encode_chat(tok, [{"role": "user", "content": questions[args.category].turns[0]}])
+    specs = [f"union@{v}:{args.members}" if v else args.members for v in args.variants]
+    runs: dict[str, list[dict]] = {s: [] for s in specs}
+    warm = torch.tensor([[0, 1]])
+    for _ in range(args.unions):
+        for spec in specs:
+            method = method_from_spec(model, spec, args.target, tokenizer=tok)
+            union = method.drafter
+            method.warm_up(model, warm, temperature=args.temperature, seed=0)
+            method(model, warm, max_new_tokens=2, temperature=args.temperature, seed=0)
+            for g in range(args.generations):
+                before = list(union.arm_steps)
+                out = method(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=g)
+                runs[spec].append({"mat": out.new_tokens / out.steps, "tokens_per_s": out.new_tokens / out.wall_time_s,
+                                   "arm_steps": [a - b for a, b in zip(union.arm_steps, before)]})
+            print(spec, runs[spec][-args.generations:], flush=True)
+    names = ["plain"] + args.members.split("+") + ["merge"]
+    rows = []
+    for spec, gens in runs.items():
+        rows.append({"spec": spec, "generations": len(gens), "benched": sum(g["mat"] < args.floor for g in gens),
+                     "mean_mat": sum(g["mat"] for g in gens) / len(gens),
+                     "mean_tokens_per_s": sum(g["tokens_per_s"] for g in gens) / len(gens),
+                     "arm_steps": [sum(g["arm_steps"][i] for g in gens) for i in range(len(names))]})
+    command = "python scripts/union_cold_start.py " + " ".join(repr(a) if a == "" else a for a in (argv or sys.argv[1:]))
+    table = "\n".join(f"| `{r['spec']}` | {r['benched']} of {r['generations']} | {r['mean_mat']:.2f} | "
+                      f"{r['mean_tokens_per_s']:.1f} | {' / '.join(map(str, r['arm_steps']))} |" for r in rows)
+    text = (f"`{command}`\n\n{args.unions} fresh unions per variant, {args.generations} generations each "
+            f"({args.max_new_tokens} new tokens, T={args.temperature:g}, the first turn of MT-Bench's first "
+            f"{args.category} question; {torch.get_num_threads()} threads; tokens/s include prefill):\n\n"
+            f"| union | generations under MAT {args.floor:g} | mean MAT | mean tokens/s | steps per arm "
+            f"({' / '.join(names)}) |\n|---|---|---|---|---|\n{table}\n")
+    print(text)
+    write_result(args.out, {"command": command, "provenance": benchmark.provenance(), "arms": names, "rows": rows,
+                            "runs": runs}, text)
+
+
+if __name__ == "__main__":
+    main()
