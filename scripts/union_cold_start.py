@@ -2,7 +2,7 @@
 start, not a benchmark: no baseline, no interval).
 
     python scripts/union_cold_start.py --category writing --temperature 0.7 --unions 8 \\
-        --variants "" "upper_z=-1000.0" --out docs/results/r33_union_cold_start
+        --dtype bfloat16 --variants "" "upper_z=-1000.0" --out docs/results/r33_union_cold_start
 
 A union learns its arms' speeds across calls, so the first prompt of a process is where a few
 unlucky steps weigh the most (the benchmark's first prompt, MT-Bench's first writing turn, ran at
@@ -10,9 +10,10 @@ unlucky steps weigh the most (the benchmark's first prompt, MT-Bench's first wri
 variant (``UnionDrafter`` options, as in a ``union@key=value,...:a+b`` spec; ``""``: the defaults)
 is warmed up as the benchmark warms up its methods (its members one by one, then a 2-token run)
 and generates ``--max-new-tokens`` tokens from the first turn of the first MT-Bench question of
-``--category``, ``--generations`` times in a row (seeds 0, 1, ...; the union kept). The variants
-alternate within each round, so load on this shared machine hits them alike. Reported per variant:
-generations whose mean accepted length stayed under ``--floor`` (the union ran plain steps), the
+``--category``, ``--generations`` times in a row (the union kept; round r's generation g samples
+with seed ``r * generations + g``, the same for every variant). The variants run in turn within
+each round, so load on this shared machine hits them alike. Reported per variant: generations
+whose mean accepted length stayed under ``--floor`` (mostly plain steps, or prompt lookup's), the
 mean MAT, mean tokens/s (prefill included), and the steps per arm summed over all generations.
 Writes <out>.json and <out>.md.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -56,6 +58,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.unions < 1 or args.generations < 1:
         raise SystemExit("--unions and --generations must be >= 1")
+    if len(args.members.split("+")) < 2:
+        raise SystemExit(f"--members must name at least two drafters joined by '+', got {args.members!r}")
+    if len(set(args.variants)) != len(args.variants):
+        raise SystemExit(f"--variants repeats a variant: {args.variants}")
     torch.set_grad_enabled(False)
     model, tok = selfspec.load_target(args.target, dtype=args.dtype)
     questions = {q.category: q for q in take_per_category(load_questions(args.questions), 1)}
@@ -65,7 +71,7 @@ def main(argv=None) -> None:
     specs = [f"union@{v}:{args.members}" if v else args.members for v in args.variants]
     runs: dict[str, list[dict]] = {s: [] for s in specs}
     warm = torch.tensor([[0, 1]])
-    for _ in range(args.unions):
+    for r in range(args.unions):
         for spec in specs:
             method = method_from_spec(model, spec, args.target, tokenizer=tok)
             union = method.drafter
@@ -73,7 +79,8 @@ def main(argv=None) -> None:
             method(model, warm, max_new_tokens=2, temperature=args.temperature, seed=0)
             for g in range(args.generations):
                 before = list(union.arm_steps)
-                out = method(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=g)
+                out = method(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             seed=r * args.generations + g)
                 runs[spec].append({"mat": out.new_tokens / out.steps, "tokens_per_s": out.new_tokens / out.wall_time_s,
                                    "arm_steps": [a - b for a, b in zip(union.arm_steps, before)]})
             print(spec, runs[spec][-args.generations:], flush=True)
@@ -84,11 +91,11 @@ def main(argv=None) -> None:
                      "mean_mat": sum(g["mat"] for g in gens) / len(gens),
                      "mean_tokens_per_s": sum(g["tokens_per_s"] for g in gens) / len(gens),
                      "arm_steps": [sum(g["arm_steps"][i] for g in gens) for i in range(len(names))]})
-    command = "python scripts/union_cold_start.py " + " ".join(repr(a) if a == "" else a for a in (argv or sys.argv[1:]))
+    command = "python scripts/union_cold_start.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     table = "\n".join(f"| `{r['spec']}` | {r['benched']} of {r['generations']} | {r['mean_mat']:.2f} | "
                       f"{r['mean_tokens_per_s']:.1f} | {' / '.join(map(str, r['arm_steps']))} |" for r in rows)
     text = (f"`{command}`\n\n{args.unions} fresh unions per variant, {args.generations} generations each "
-            f"({args.max_new_tokens} new tokens, T={args.temperature:g}, the first turn of MT-Bench's first "
+            f"({args.max_new_tokens} new tokens, T={args.temperature:g}, seeds 0-{args.unions * args.generations - 1}, the first turn of MT-Bench's first "
             f"{args.category} question; {torch.get_num_threads()} threads; tokens/s include prefill):\n\n"
             f"| union | generations under MAT {args.floor:g} | mean MAT | mean tokens/s | steps per arm "
             f"({' / '.join(names)}) |\n|---|---|---|---|---|\n{table}\n")

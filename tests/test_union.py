@@ -600,10 +600,10 @@ def test_one_unlucky_first_step_does_not_bench_a_good_head():
     member's tokens per step carry one pseudo-step at what its value model expects (which learns
     from every tested node), and an arm measured on fewer than three steps whose model could
     still make it the best is probed every few steps, not every 16. Negative control: without the
-    model (tokens per step as measured, the design before), the same races lose more than 10%:
+    model (tokens per step as measured, as before round 22), the same races lose more than 10%:
     the union ran plain steps for up to half of the generation."""
 
-    class Measured(UnionDrafter):  # the design before: no value model behind the measured tokens
+    class Measured(UnionDrafter):  # without the value model behind the measured tokens
         def expected_tokens(self, member, key):
             return None
 
@@ -616,7 +616,8 @@ def test_one_unlucky_first_step_does_not_bench_a_good_head():
 
 def test_a_hard_start_does_not_bench_a_good_head():
     """MT-Bench's first writing turn at T=0.7 (round 32: the union ran 0.81x of the head there):
-    the head is wrong over the first ten positions (a title, the first words), then right as
+    the head is wrong over the first ten positions (the prompt's two and the first eight generated
+    tokens: a title, the first words), then right as
     usual, so its first several steps, own and paired, all say about one token a step. The union
     must still run about as fast as the head alone (geometric mean within 5%): a member whose
     measured steps spread enough that it could still be the best (its upper estimate,
@@ -637,13 +638,21 @@ def test_a_hard_start_does_not_bench_a_good_head():
 
 def test_a_fresh_unions_exploration_budget_starts_at_its_stationary_value():
     """The decayed decode time behind the exploration budget starts as if the union had run at
-    its first step's pace for the whole decay horizon, not at zero (a fresh union's budget was
-    then a few milliseconds, and one losing probe stopped every probe for about a hundred steps)."""
+    its first step's pace for the whole decay horizon, not at zero, so one losing probe early on
+    leaves the budget open. Negative control: started from zero (as before round 33), the same
+    losing probe closes it (for up to about 60 steps of a real generation)."""
     union = UnionDrafter([OracleDrafter([0] * 8, 6)], clock=step_clock())
     union._explore(0.04, 1, None)
     assert union.regret[1] == pytest.approx(0.04 / (1 - union.explore_decay))
     union._explore(0.05, 1, None)
     assert union.regret[1] == pytest.approx(union.explore_decay * 0.04 / (1 - union.explore_decay) + 0.05)
+    union._explore(0.05, 1, 1 / 0.04)  # a probe that took 10 ms longer than the best arm would have
+    assert union.regret[0] == pytest.approx(0.01) and union._may_explore()
+    cold = UnionDrafter([OracleDrafter([0] * 8, 6)], clock=step_clock())
+    cold.regret = [0.0, 1e-12]  # the decayed time from (almost) zero: the stationary start skipped
+    cold._explore(0.04, 1, None)
+    cold._explore(0.05, 1, 1 / 0.04)
+    assert cold.regret[0] == pytest.approx(0.01) and not cold._may_explore()
 
 
 class _ShortGenerations:

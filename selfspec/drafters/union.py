@@ -185,8 +185,8 @@ class UnionDrafter(Drafter):
             alone (measured as fast or faster in round 31; see the module docstring).
         upper_z: standard errors above a member's measured tokens per step at which it *could*
             still be the best arm (:meth:`_upper_estimate`); such an arm is probed every
-            ``probe_every // 4`` steps. A very low value (``-1000.0``) turns this off (the union
-            until round 32).
+            ``probe_every // 4`` steps. Any value <= 0 turns this off (as until round 32, but with
+            the budget's stationary start, which is not an option).
         promising_budget: exploration budget, in multiples of ``explore_budget``, for probes of
             arms that could still be the best (others stop at ``explore_budget``).
     """
@@ -387,10 +387,12 @@ class UnionDrafter(Drafter):
             # end of their spread, see `_upper_estimate`)
             top = guess[best] or 0.0
             fastest = max((r or 0.0) for r in guess)  # (the best may be a simpler arm a little slower)
-            could = [(self._upper_estimate(a, state, since) or 0.0) > fastest for a in range(len(self.arms))]
+            quick = max(1, self.probe_every // 4)
+            could = [False] * len(self.arms)
+            if self.steps >= self.last_probe.get(None, 0) + quick:  # (else no arm can be due: not computed)
+                could = [(self._upper_estimate(a, state, since) or 0.0) > fastest for a in range(len(self.arms))]
             few = [(samples[a] < self.min_samples and (self._model_estimate(a, state) or 0.0) > top) or could[a]
                    for a in range(len(self.arms))]
-            quick = max(1, self.probe_every // 4)
             due = [a for a in range(len(self.arms)) if a != best
                    and self.steps >= self.last_probe.get(None, 0) + (quick if few[a] else self.probe_every)
                    and self.steps >= self.last_probe.get(keys[a], 0) + (
@@ -454,12 +456,13 @@ class UnionDrafter(Drafter):
         each probe), each one is pure cost: this bounds that cost to about the floor's share of
         the time where the union earns nothing over its best member, whatever the probe schedule
         says, and lets it explore more where its choices pay. The decayed decode time starts at
-        its stationary value (the first step's seconds over the decay horizon), not at zero: from
-        zero, a fresh union's budget was a few milliseconds for its first hundred steps, one losing
-        probe (a head at T=0.7 that accepted nothing) stopped every probe for most of the first
-        generation, and the union ran plain steps where the head paid (MT-Bench's first writing
-        turn, round 32). A union is new once per process; its start is where exploring pays
-        most."""
+        the stationary value of the first step's real seconds (over the decay horizon; at least
+        the stationary value of later steps, a first step's one-off costs included), not at zero:
+        from zero, a fresh union's budget was a few milliseconds over its first hundred steps, one
+        losing probe (about 9 ms: a head at T=0.7 that accepted nothing) stopped every probe for
+        up to about 60 steps, and the union ran plain steps where the head paid (MT-Bench's first
+        writing turn, round 32). A union is new once per process; its start is where exploring
+        pays most."""
         return self.regret[0] <= scale * self.explore_budget * self.regret[1] + self.explore_share * max(0.0, self.profit)
 
     def _charge_calls(self, seconds: float, tokens: int) -> tuple[float, float]:
@@ -639,7 +642,15 @@ class UnionDrafter(Drafter):
         *could* still be the best and is probed every ``probe_every // 4`` steps (see the module
         docstring), as the head's own adaptive policy keeps drafting while the upper confidence
         bound of its gain (2 standard errors) is above its bar; a head that is never right has a
-        small spread and is not kept exploring."""
+        small spread and is not kept exploring. The counts decay (``rate_decay``: about ten steps
+        at most), so the band does not narrow with time: it stays about two thirds of a step's
+        spread wide, and a member whose estimate is within about 0.75x of the fastest arm's (a head
+        at T=0.7) stays due every few steps for as long as that holds, its probes bounded by
+        ``promising_budget`` times the exploration budget (1% of the decode time by default). That
+        is the price of tracking a member whose acceptance changes with the text; measured side by
+        side in round 33 against the union without it, no difference was significant on MT-Bench
+        (greedy and T=0.7), BFCL or the adversarial prompts (point estimates 0.96x-1.02x;
+        docs/benchmarks.md, "Round 33")."""
         if len(self.arms[arm]) != 1:
             return None
         key = (arm, self.arm_key(arm, state))
