@@ -34,7 +34,7 @@ from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.drafters import drafter_from_spec  # noqa: E402
 from selfspec.measurement import benchmark  # noqa: E402
 from selfspec.measurement.measure import write_result  # noqa: E402
-from selfspec.measurement.workloads import load_questions, take_per_category  # noqa: E402
+from selfspec.measurement.workloads import first_per_category  # noqa: E402
 from selfspec.tree import Law  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -57,10 +57,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, tok = selfspec.load_target(args.target, dtype=args.dtype)
-    questions = {q.category: q for q in take_per_category(load_questions(args.questions), 1)}
-    missing = [c for c in args.categories if c not in questions]
-    if missing:
-        raise SystemExit(f"no question of categories {missing} in {args.questions}")
+    try:
+        questions = first_per_category(args.questions, args.categories)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     rows = []
     for temp in args.temperatures:
         union = member = None

@@ -34,9 +34,9 @@ import torch  # noqa: E402
 import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.measurement import benchmark  # noqa: E402
-from selfspec.measurement.benchmark import method_from_spec  # noqa: E402
+from selfspec.measurement.benchmark import method_from_spec, warm_up_runner  # noqa: E402
 from selfspec.measurement.measure import write_result  # noqa: E402
-from selfspec.measurement.workloads import load_questions, take_per_category  # noqa: E402
+from selfspec.measurement.workloads import first_per_category  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -64,19 +64,18 @@ def main(argv=None) -> None:
         raise SystemExit(f"--variants repeats a variant: {args.variants}")
     torch.set_grad_enabled(False)
     model, tok = selfspec.load_target(args.target, dtype=args.dtype)
-    questions = {q.category: q for q in take_per_category(load_questions(args.questions), 1)}
-    if args.category not in questions:
-        raise SystemExit(f"no question of category {args.category!r} in {args.questions}")
-    ids = encode_chat(tok, [{"role": "user", "content": questions[args.category].turns[0]}])
+    try:
+        question = first_per_category(args.questions, [args.category])[args.category]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    ids = encode_chat(tok, [{"role": "user", "content": question.turns[0]}])
     specs = [f"union@{v}:{args.members}" if v else args.members for v in args.variants]
     runs: dict[str, list[dict]] = {s: [] for s in specs}
-    warm = torch.tensor([[0, 1]])
     for r in range(args.unions):
         for spec in specs:
             method = method_from_spec(model, spec, args.target, tokenizer=tok)
             union = method.drafter
-            method.warm_up(model, warm, temperature=args.temperature, seed=0)
-            method(model, warm, max_new_tokens=2, temperature=args.temperature, seed=0)
+            warm_up_runner(model, method, temperature=args.temperature, seed=0)
             for g in range(args.generations):
                 before = list(union.arm_steps)
                 out = method(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -317,11 +317,8 @@ def run(
     bar = tqdm(total=sum(len(q.turns) for q in questions), desc="benchmark", disable=not progress, unit="turn")
     gen = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     device = next(model.parameters()).device
-    warm = torch.tensor([[0, 1]])
     for runner in [baseline, *runners.values()]:  # warm-up: first-call costs hit no measured run
-        if hasattr(runner, "warm_up"):  # drafting too (an adaptive run's first step is plain)
-            runner.warm_up(model, warm, temperature=temperature, seed=seed)
-        runner(model, warm, max_new_tokens=2, temperature=temperature, seed=seed)
+        warm_up_runner(model, runner, temperature=temperature, seed=seed)
     rotation = 0
     for q in questions:
         for runner in runners.values():
@@ -375,6 +372,16 @@ def run(
             bar.update(1)
     bar.close()
     return records
+
+
+def warm_up_runner(model, runner, *, temperature: float, seed: int) -> None:
+    """Untimed, before a benchmark's first measured run: the runner's drafting warm-up where it has
+    one (an adaptive run's first step is plain; a union's members one by one), then a 2-token run
+    on the prompt ``[0, 1]``, so first-call costs hit no measured run."""
+    warm = torch.tensor([[0, 1]])
+    if hasattr(runner, "warm_up"):
+        runner.warm_up(model, warm, temperature=temperature, seed=seed)
+    runner(model, warm, max_new_tokens=2, temperature=temperature, seed=seed)
 
 
 def _s_per_token(out: RunResult) -> float:
