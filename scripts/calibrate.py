@@ -75,7 +75,10 @@ def training_prompts(meta: dict) -> set[str]:
     """User texts the drafter was trained on, to keep them out of calibration: the prompts of its
     own training data and of every run it was continued from (``lineage``), each read from the
     distillation folder's manifest or, where that folder is absent (``runs/`` of another
-    session), from the distill config in configs/ that wrote it. Refuses a dataset it cannot trace."""
+    session), from the distill config in configs/ that wrote it. A shard range (``folder[6:]``)
+    keeps the whole window out except the prompts answered only in its shards outside the range
+    (window d's first six shards, which no head trained on, are the last held-out chat prompts
+    once every chat prompt has been distilled: round 34). Refuses a dataset it cannot trace."""
     from training.batching import shard_selection  # noqa: I001
     from training.config import load_any
     from training.distill import DistillConfig, collect_prompts
@@ -89,7 +92,8 @@ def training_prompts(meta: dict) -> set[str]:
         configs[os.path.normpath(job.out)] = job.distill
     texts: set[str] = set()
     for spec in filter(None, datasets):
-        dataset = str(shard_selection(spec)[0])  # a shard range: the whole window's prompts are kept out
+        folder, selected = shard_selection(spec)
+        dataset = str(folder)
         manifest = Path(dataset) / "manifest.json"
         if manifest.exists():
             cfg = DistillConfig(**json.loads(manifest.read_text(encoding="utf-8"))["config"])
@@ -99,8 +103,34 @@ def training_prompts(meta: dict) -> set[str]:
         else:
             raise SystemExit(f"the drafter was trained on {dataset!r}, which has no manifest here and no distill "
                              "config in configs/ writes it: its prompts cannot be kept out of calibration")
-        texts |= {p["user"].strip() for p in collect_prompts(cfg)}
+        window = collect_prompts(cfg)
+        held = _outside_selection(folder, selected)
+        # the window's prompts, less those answered only in shards outside the selection (a
+        # window's held-out shards, e.g. window d's first six): every other prompt of the window
+        # is kept out, answered in the selected shards or not (a range may have grown later)
+        trained = {p["user"].strip() for p in window if (p["source"], str(p["source_id"])) not in held}
+        texts |= trained
     return texts
+
+
+def _outside_selection(folder: Path, selected: slice | None) -> set[tuple[str, str]]:
+    """``(source, source_id)`` of the records answered in ``folder``'s shards outside the shard
+    range ``selected`` and in none inside it; empty without a range or without the shards here."""
+    shards = sorted((folder / "shards").glob("*.jsonl")) if selected is not None else []
+    if not shards:
+        return set()
+    chosen = set(shards[selected])
+
+    def ids(files) -> set[tuple[str, str]]:
+        out = set()
+        for f in files:
+            for line in f.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    out.add((rec["source"], str(rec["source_id"])))
+        return out
+
+    return ids([f for f in shards if f not in chosen]) - ids(chosen)
 
 
 def main(argv=None) -> None:
@@ -142,6 +172,10 @@ def main(argv=None) -> None:
     texts = calibration_prompts(SHARED, args.prompts)
     if drafter.kind == "eagle3":
         texts = heldout_chat_prompts(SHARED, args.prompts, training_prompts(meta))
+    if len(texts) < min(4, args.prompts):
+        raise SystemExit(f"only {len(texts)} calibration prompts are left that neither this drafter nor its lineage "
+                         f"trained on and no benchmark uses (asked for {args.prompts}): distill from fewer prompts, "
+                         "or hold a window's shards out of training (a dataset range such as folder[6:])")
     prompts = [encode_chat(tok, [{"role": "user", "content": p}]) for p in texts]
     verify = verify_costs(model, list(range(1, args.max_nodes + 2)))
     print("verify ms per n nodes:", {n: round(v * 1e3, 1) for n, v in verify.items()})

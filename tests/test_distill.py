@@ -174,7 +174,8 @@ def test_a_shard_range_splits_one_window_into_held_out_and_training_answers(tmp_
 
 def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_on(tmp_path):
     """``scripts/calibrate.py``'s hold-out: the prompts of the head's dataset (its manifest) and of
-    every dataset in its lineage; an absent ``runs/`` folder is traced to the distill config in
+    every dataset in its lineage (a shard range keeps its window out but for the prompts answered only
+    outside the range, the held-out shards); an absent ``runs/`` folder is traced to the distill config in
     configs/ that writes it; a dataset it cannot trace is refused, never silently ignored."""
     import importlib.util
     import json
@@ -190,8 +191,26 @@ def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_o
     mine = {p["user"].strip() for p in collect_prompts(cfg)}
     meta = {"extra": {"training": {"dataset": str(folder)}, "lineage": [{"dataset": str(folder)}]}}
     assert calibrate.training_prompts(meta) == mine and mine
-    ranged = {"extra": {"training": {"dataset": f"{folder}[1:]"}}}  # a shard range: the whole window is kept out
+    ranged = {"extra": {"training": {"dataset": f"{folder}[1:]"}}}  # a shard range, no shards here: the whole window
     assert calibrate.training_prompts(ranged) == mine
+    # with its shards here: a prompt answered only in a shard outside the range is held out (window
+    # d's first six shards), one answered inside it is not, nor one the window never answered
+    window = tmp_path / "window"
+    (window / "shards").mkdir(parents=True)
+    whole = DistillConfig(sources={"chat": 5}, data_dir=str(data), holdout=2, sampled_every=0)
+    (window / "manifest.json").write_text(json.dumps({"config": whole.__dict__}))
+    records = collect_prompts(whole)
+    assert len(records) == 2  # (the fixture's other chat prompts are benchmark prompts)
+    for i, rec in enumerate(records):
+        line = {"source": rec["source"], "source_id": rec["source_id"], "prompt_ids": [1], "response_ids": [2]}
+        (window / "shards" / f"{i:05d}.jsonl").write_text(json.dumps(line) + "\n")
+    first, second = records[0]["user"].strip(), records[1]["user"].strip()
+    assert calibrate.training_prompts({"extra": {"training": {"dataset": f"{window}[1:]"}}}) == {second}
+    assert calibrate.training_prompts({"extra": {"training": {"dataset": f"{window}[:1]"}}}) == {first}
+    both = {"extra": {"training": {"dataset": f"{window}[1:]"}, "lineage": [{"dataset": f"{window}[:1]"}]}}
+    assert calibrate.training_prompts(both) == {first, second}  # held out by one run, trained on by its ancestor
+    (window / "shards" / "00001.jsonl").unlink()  # the range's shard not written (yet): kept out all the same
+    assert calibrate.training_prompts({"extra": {"training": {"dataset": f"{window}[1:]"}}}) == {second}
     lost = {"extra": {"training": {"dataset": str(folder)}, "lineage": [{"dataset": "runs/distill/nowhere"}]}}
     with pytest.raises(SystemExit, match="cannot be kept out"):
         calibrate.training_prompts(lost)

@@ -149,6 +149,8 @@ def raced_choice(measure, keys: list, prompts: list, batch: int = 4) -> tuple:
     Returns ``(chosen key, {key: geometric-mean speedup over the prompts it ran}, rounds)``;
     ``rounds`` lists per batch ``{"prompts": n so far, "left": keys still in after it}``.
     """
+    if not prompts or not keys:
+        raise ValueError(f"a race needs prompts and entries, got {len(prompts)} prompts and {len(keys)} entries")
     logs: dict = {k: [] for k in keys}
     left, rounds = list(keys), []
     for start in range(0, len(prompts), batch):
