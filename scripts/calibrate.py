@@ -115,9 +115,12 @@ def training_prompts(meta: dict) -> set[str]:
 
 def _outside_selection(folder: Path, selected: slice | None) -> set[tuple[str, str]]:
     """``(source, source_id)`` of the records answered in ``folder``'s shards outside the shard
-    range ``selected`` and in none inside it; empty without a range or without the shards here."""
+    range ``selected`` and in none inside it; empty without a range, without the shards here, or
+    unless the shard files are numbered 0..n-1 without a gap (training selects by position in
+    file-name order: with a shard missing here, positions would shift and a trained shard could
+    look held out)."""
     shards = sorted((folder / "shards").glob("*.jsonl")) if selected is not None else []
-    if not shards:
+    if not shards or [f.stem for f in shards] != [f"{i:05d}" for i in range(len(shards))]:
         return set()
     chosen = set(shards[selected])
 
@@ -169,6 +172,8 @@ def main(argv=None) -> None:
                          "calibrated tree")
     if args.prompts is None:
         args.prompts = 24 if drafter.kind == "eagle3" else 8
+    if args.prompts < 1:
+        raise SystemExit(f"--prompts must be >= 1, got {args.prompts}")
     texts = calibration_prompts(SHARED, args.prompts)
     if drafter.kind == "eagle3":
         texts = heldout_chat_prompts(SHARED, args.prompts, training_prompts(meta))

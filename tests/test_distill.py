@@ -211,6 +211,12 @@ def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_o
     assert calibrate.training_prompts(both) == {first, second}  # held out by one run, trained on by its ancestor
     (window / "shards" / "00001.jsonl").unlink()  # the range's shard not written (yet): kept out all the same
     assert calibrate.training_prompts({"extra": {"training": {"dataset": f"{window}[1:]"}}}) == {second}
+    (window / "shards" / "00000.jsonl").rename(window / "shards" / "00001.jsonl")  # a gap: positions unknown
+    assert calibrate.training_prompts({"extra": {"training": {"dataset": f"{window}[1:]"}}}) == {first, second}
+    from selfspec.measurement.calibration import raced_choice
+
+    with pytest.raises(ValueError, match="needs prompts"):  # no prompt left: refused, not a KeyError
+        raced_choice(lambda keys, prompts: {k: [1.0] for k in keys}, [0, 1], [])
     lost = {"extra": {"training": {"dataset": str(folder)}, "lineage": [{"dataset": "runs/distill/nowhere"}]}}
     with pytest.raises(SystemExit, match="cannot be kept out"):
         calibrate.training_prompts(lost)
