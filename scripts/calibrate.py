@@ -113,6 +113,23 @@ def training_prompts(meta: dict) -> set[str]:
     return texts
 
 
+def heldout_prompts(meta: dict, n: int) -> list[str]:
+    """Up to ``n`` chat prompts that neither the drafter of ``meta`` nor its lineage trained on
+    and no benchmark uses (:func:`training_prompts`); a clear error when fewer than
+    ``min(4, n)`` are left (calibration and the EAGLE-3 cost scripts share it)."""
+    texts = heldout_chat_prompts(SHARED, n, training_prompts(meta))
+    _enough(texts, n)
+    return texts
+
+
+def _enough(texts: list[str], n: int) -> None:
+    if len(texts) < min(4, n):
+        raise SystemExit(f"only {len(texts)} calibration prompts are left that neither this drafter nor its lineage "
+                         f"trained on and no benchmark uses (asked for {n}): distill from fewer prompts, or hold a "
+                         "window's shards out of training (a dataset range such as folder[6:]); run from the "
+                         "repository root, where the dataset paths resolve")
+
+
 def _outside_selection(folder: Path, selected: slice | None) -> set[tuple[str, str]]:
     """``(source, source_id)`` of the records answered in ``folder``'s shards outside the shard
     range ``selected`` and in none inside it; empty without a range, without the shards here, or
@@ -176,11 +193,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"--prompts must be >= 1, got {args.prompts}")
     texts = calibration_prompts(SHARED, args.prompts)
     if drafter.kind == "eagle3":
-        texts = heldout_chat_prompts(SHARED, args.prompts, training_prompts(meta))
-    if len(texts) < min(4, args.prompts):
-        raise SystemExit(f"only {len(texts)} calibration prompts are left that neither this drafter nor its lineage "
-                         f"trained on and no benchmark uses (asked for {args.prompts}): distill from fewer prompts, "
-                         "or hold a window's shards out of training (a dataset range such as folder[6:])")
+        texts = heldout_prompts(meta, args.prompts)
+    _enough(texts, args.prompts)
     prompts = [encode_chat(tok, [{"role": "user", "content": p}]) for p in texts]
     verify = verify_costs(model, list(range(1, args.max_nodes + 2)))
     print("verify ms per n nodes:", {n: round(v * 1e3, 1) for n, v in verify.items()})

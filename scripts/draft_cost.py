@@ -32,7 +32,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,9 +44,7 @@ from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.drafters import load_drafter  # noqa: E402
 from selfspec.measurement import benchmark  # noqa: E402
 from selfspec.measurement.measure import write_result  # noqa: E402
-from selfspec.measurement.workloads import heldout_chat_prompts  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 PARTS = ("catch-up", "tree layers", "LM head", "other drafting", "verify and engine")
 
 
@@ -95,9 +92,9 @@ def main(argv=None) -> None:
     drafter = load_drafter(args.checkpoint, model)
     if drafter.kind != "eagle3":
         raise SystemExit(f"draft_cost splits EAGLE-3 steps; {args.checkpoint} holds a {drafter.kind} drafter")
-    from calibrate import training_prompts
+    from calibrate import heldout_prompts
 
-    texts = heldout_chat_prompts(SHARED, args.prompts, training_prompts(drafter.checkpoint_meta))
+    texts = heldout_prompts(drafter.checkpoint_meta, args.prompts)
     prompts = [encode_chat(tok, t) for t in texts]
     timers, head = _Timers(), drafter.run_head
     timers.wrap(drafter, "catch_up", "catch-up")

@@ -24,7 +24,6 @@ import argparse
 import os
 import statistics
 import sys
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,10 +37,8 @@ from selfspec.checkpoint import read_checkpoint  # noqa: E402
 from selfspec.drafters import load_drafter  # noqa: E402
 from selfspec.measurement import benchmark  # noqa: E402
 from selfspec.measurement.measure import write_result  # noqa: E402
-from selfspec.measurement.workloads import heldout_chat_prompts  # noqa: E402
 from selfspec.prepack import prepack_linears  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def main(argv=None) -> None:
@@ -55,7 +52,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     prov = benchmark.provenance()
-    from calibrate import training_prompts
+    from calibrate import heldout_prompts
 
     if args.dtype == "bfloat16":
         model, tok = selfspec.load_target(args.target, dtype="bfloat16", prepack=True)
@@ -69,7 +66,7 @@ def main(argv=None) -> None:
     setups["float32"].head.float()
     setups["int8"] = setups["int8"].with_options(head_weights="int8")
     meta, _ = read_checkpoint(args.checkpoint)
-    texts = heldout_chat_prompts(SHARED, args.prompts, training_prompts(meta))
+    texts = heldout_prompts(meta, args.prompts)
     prompts = [encode_chat(tok, t) for t in texts]
     per_step = {name: [] for name in setups}
     seconds = {name: 0.0 for name in ("plain", *setups)}

@@ -217,6 +217,9 @@ def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_o
 
     with pytest.raises(ValueError, match="needs prompts"):  # no prompt left: refused, not a KeyError
         raced_choice(lambda keys, prompts: {k: [1.0] for k in keys}, [0, 1], [])
+    with pytest.raises(SystemExit, match="only 3 calibration prompts"):  # calibrate / draft_cost / head_kernels
+        calibrate._enough(["a", "b", "c"], 24)
+    calibrate._enough(["a", "b"], 2)  # as many as asked for: enough
     lost = {"extra": {"training": {"dataset": str(folder)}, "lineage": [{"dataset": "runs/distill/nowhere"}]}}
     with pytest.raises(SystemExit, match="cannot be kept out"):
         calibrate.training_prompts(lost)
