@@ -94,7 +94,7 @@ def training_prompts(meta: dict) -> set[str]:
     for spec in filter(None, datasets):
         folder, selected = shard_selection(spec)
         dataset = str(folder)
-        manifest = Path(dataset) / "manifest.json"
+        manifest = folder / "manifest.json"
         if manifest.exists():
             cfg = DistillConfig(**json.loads(manifest.read_text(encoding="utf-8"))["config"])
         elif os.path.normpath(dataset) in configs:
@@ -103,13 +103,11 @@ def training_prompts(meta: dict) -> set[str]:
         else:
             raise SystemExit(f"the drafter was trained on {dataset!r}, which has no manifest here and no distill "
                              "config in configs/ writes it: its prompts cannot be kept out of calibration")
-        window = collect_prompts(cfg)
-        held = _outside_selection(folder, selected)
         # the window's prompts, less those answered only in shards outside the selection (a
         # window's held-out shards, e.g. window d's first six): every other prompt of the window
         # is kept out, answered in the selected shards or not (a range may have grown later)
-        trained = {p["user"].strip() for p in window if (p["source"], str(p["source_id"])) not in held}
-        texts |= trained
+        held = _outside_selection(folder, selected)
+        texts |= {p["user"].strip() for p in collect_prompts(cfg) if (p["source"], str(p["source_id"])) not in held}
     return texts
 
 
@@ -191,10 +189,11 @@ def main(argv=None) -> None:
         args.prompts = 24 if drafter.kind == "eagle3" else 8
     if args.prompts < 1:
         raise SystemExit(f"--prompts must be >= 1, got {args.prompts}")
-    texts = calibration_prompts(SHARED, args.prompts)
     if drafter.kind == "eagle3":
         texts = heldout_prompts(meta, args.prompts)
-    _enough(texts, args.prompts)
+    else:
+        texts = calibration_prompts(SHARED, args.prompts)
+        _enough(texts, args.prompts)
     prompts = [encode_chat(tok, [{"role": "user", "content": p}]) for p in texts]
     verify = verify_costs(model, list(range(1, args.max_nodes + 2)))
     print("verify ms per n nodes:", {n: round(v * 1e3, 1) for n, v in verify.items()})

@@ -40,7 +40,6 @@ from selfspec.measurement.measure import write_result  # noqa: E402
 from selfspec.prepack import prepack_linears  # noqa: E402
 
 
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
