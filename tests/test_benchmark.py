@@ -51,6 +51,13 @@ def test_speedup_intervals_and_unions_against_their_members():
     assert unions[("eagle3+ngram%bfloat16", "ngram%bfloat16")]["ratio"] == pytest.approx(1.0)
     table = markdown_table(s)
     assert "95% CI" in table and "| eagle3+ngram | ngram | 0.83x |" in table
+    assert unions[("eagle3+ngram", "ngram")]["same_text"] is None  # no digests stored: not claimed
+    assert "| same text |" in table and "| eagle3+ngram | ngram | 0.83x | " in table
+    for r in records:  # digests: the union wrote its member's text on 4 of the 6 turns
+        parted = r.method == "eagle3+ngram" and r.question_id in {"2", "5"}
+        r.output_sha = ("u" if parted else "t") + r.question_id
+    u = next(u for u in summarise(records)["overall"]["baseline"]["unions"] if u["union"] == "eagle3+ngram")
+    assert u["same_text"] == [4, 6] and " | 4/6 |" in markdown_table(summarise(records))
     assert summarise(records[:10])["overall"]["ngram"]["speedup_ci"] is None  # too few prompts
 
 
@@ -72,6 +79,10 @@ def test_two_methods_of_a_result_file_are_compared_on_the_turns_both_ran():
     assert c["units"] == 6 and c["ratio"] == pytest.approx(5 / 4)
     assert c["mat_a"] == pytest.approx(2.5) and c["mat_b"] == pytest.approx(2.0)
     assert c["ci"][0] > 1.0 and paired.compare(records, "new", "old")["ci"] == c["ci"]
+    assert c["same_text"] is None  # results stored without digests claim nothing
+    for r in records:
+        r.output_sha = r.question_id if r.question_id != "0" or r.method == "new" else "other"
+    assert paired.compare(records, "new", "old")["same_text"] == [5, 6]  # turn 0 parted
 
 
 def test_methods_on_another_dtype_against_plain_decoding_in_that_dtype():
@@ -174,6 +185,9 @@ def test_methods_run_in_an_order_rotated_per_turn(tmp_path):
     turns = [order[i:i + 2] for i in range(2, len(order), 2)]  # (after the warm-up calls)
     assert turns == [["a", "b"], ["a", "b"], ["b", "a"]]  # baseline, a, b; a, b, baseline; b, baseline, a
     assert all(r.identical_to_baseline for r in records)  # each paired with its own turn's baseline
+    assert all(r.output_sha and r.output_sha == base.output_sha  # the same text, the same digest
+               for r in records for base in records if base.method == "baseline" and base.question_id == r.question_id
+               and base.turn == r.turn)
 
 
 def test_repeats_keep_each_methods_median_run_and_refuse_methods_that_remember(tmp_path):

@@ -28,11 +28,16 @@ Metric conventions (per group of prompts, summed over the group's runs):
   explain;
 * unions against their members: a union ``a+b`` (same dtype suffix) is compared with each of its
   members measured in the same file, on the same runs, as a paired ratio with its 95% CI
-  (:func:`union_vs_members`): a union must never lose to its best member.
+  (:func:`union_vs_members`): a union must never lose to its best member. The comparison says on
+  how many of those runs the two wrote the same text (``output_sha``): in bf16 a greedy union and
+  its member can leave each other at a near-tie (batched and sequential passes round differently)
+  and then write different texts, one of which may be far easier to draft (a reply that falls into
+  a repeated sentence); a ratio over different texts is not a loss of the union's arm choice.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
 import time
@@ -72,6 +77,7 @@ class Record:
     reply: str | None = None  # the baseline's reply text (conversation history on resume)
     divergence: dict | None = None  # greedy only: where and why the output left the baseline
     repeat_s_per_token: list[float] | None = None  # with repeats: every run's (the record is the median one)
+    output_sha: str | None = None  # digest of the generated token ids (same text <=> same digest)
     @property
     def after_first_s(self) -> float:
         """Seconds spent on tokens after the first."""
@@ -409,7 +415,24 @@ def _record(q: Question, turn: int, method: str, ids, out: RunResult, identical:
             reply: str | None = None) -> Record:
     return Record(q.question_id, q.category, turn, method, int(ids.shape[1]), out.new_tokens, out.steps,
                   out.wall_time_s - out.prefill_time_s, out.prefill_time_s, identical, out.tested_per_depth,
-                  out.accepted_per_depth, out.ttft_s, out.wall_time_s, out.first_tokens, peak_mib, reply)
+                  out.accepted_per_depth, out.ttft_s, out.wall_time_s, out.first_tokens, peak_mib, reply,
+                  output_sha=output_digest(out.sequences[0, ids.shape[1]:]))
+
+
+def output_digest(new_tokens: torch.Tensor) -> str:
+    """A short digest of generated token ids ``[n]`` (equal texts, equal digests; 64 bits)."""
+    data = new_tokens.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def same_text(records: list[Record], a: str, b: str) -> list[int] | None:
+    """``[k, n]``: of the ``n`` (question, turn) units where both ``a`` and ``b`` ran with a
+    recorded digest, ``k`` where they wrote the same tokens (``None`` where no unit has digests:
+    results stored before digests were kept)."""
+    units = [u for u in _units(records).values() if a in u and b in u and u[a].output_sha and u[b].output_sha]
+    if not units:
+        return None
+    return [sum(u[a].output_sha == u[b].output_sha for u in units), len(units)]
 
 
 def summarise(records: list[Record], by_turn: bool = False) -> dict[str, dict[str, dict]]:
@@ -481,8 +504,8 @@ def ratio_ci(records: list[Record], a: str, b: str, resamples: int = 1000, seed:
 
 def union_vs_members(records: list[Record]) -> list[dict]:
     """Each measured union ``[union@options:]a+b[%dtype]`` against each member ``a[%dtype]`` measured in the same
-    records: ``{union, member, ratio, ci}`` (ratio = the union's rate / the member's on the runs
-    both made; ``ci`` see :func:`ratio_ci`)."""
+    records: ``{union, member, ratio, ci, same_text}`` (ratio = the union's rate / the member's on
+    the runs both made; ``ci`` see :func:`ratio_ci`; ``same_text`` see :func:`same_text`)."""
     methods = list(dict.fromkeys(r.method for r in records))
     out = []
     for m in methods:
@@ -498,7 +521,7 @@ def union_vs_members(records: list[Record]) -> list[dict]:
             units = [u for u in _units(records).values() if m in u and name in u]
             ra, rb = _rate([u[m] for u in units]), _rate([u[name] for u in units])
             out.append(dict(union=m, member=name, ratio=ra / rb if ra and rb else 0.0,
-                            ci=ratio_ci(records, m, name)))
+                            ci=ratio_ci(records, m, name), same_text=same_text(records, m, name)))
     return out
 
 
@@ -536,6 +559,10 @@ def _identical(v: dict) -> str:
     return f"{v['identical_share']:.0%} ({explained}/{len(divs)} near-ties)"
 
 
+def _fraction(counts: list[int] | None) -> str:
+    return "-" if not counts else f"{counts[0]}/{counts[1]}"
+
+
 def as_rows(records: list[Record]) -> list[dict]:
     return [asdict(r) for r in records]
 
@@ -566,11 +593,12 @@ def markdown_table(summary: dict[str, dict[str, dict]]) -> str:
             )
     unions = (summary.get("overall", {}).get("baseline") or {}).get("unions")
     if unions:
-        lines += ["", "Unions against their members (same runs, paired; a union must not lose to its best member):",
-                  "", "| union | member | union / member | 95% CI |", "|---|---|---|---|"]
+        lines += ["", "Unions against their members (same runs, paired; a union must not lose to its best member; "
+                  "same text: turns where both wrote the same tokens):",
+                  "", "| union | member | union / member | 95% CI | same text |", "|---|---|---|---|---|"]
         for u in unions:
             ci = "-" if not u["ci"] else "{:.2f}-{:.2f}".format(*u["ci"])
-            lines.append(f"| {u['union']} | {u['member']} | {u['ratio']:.2f}x | {ci} |")
+            lines.append(f"| {u['union']} | {u['member']} | {u['ratio']:.2f}x | {ci} | {_fraction(u.get('same_text'))} |")
     same = (summary.get("overall", {}).get("baseline") or {}).get("same_dtype")
     if same:
         lines += ["", "Against plain decoding in the same dtype (same runs, paired; the speedup column above "
