@@ -30,10 +30,11 @@ Metric conventions (per group of prompts, summed over the group's runs):
   members measured in the same file, on the same runs, as a paired ratio with its 95% CI
   (:func:`union_vs_members`): a union must never lose to its best member. The comparison says on
   how many of those runs the two wrote the same text (``output_sha``: a digest of the tokens of
-  each method's kept run, the one whose time the ratio uses): in bf16 a greedy union and
-  its member (or one method's repeats) can leave each other at a near-tie (batched and sequential passes round differently)
-  and then write different texts, one of which may be far easier to draft (a reply that falls into
-  a repeated sentence); a ratio over different texts is not a loss of the union's arm choice.
+  each method's kept run, the one whose time the ratio uses): in bf16 a greedy union and its
+  member (or one method's repeats) can leave each other at a near-tie (batched and sequential
+  passes round differently) and then write different texts, one of which may be far easier to
+  draft (a reply that falls into a repeated sentence); a ratio over different texts is not a loss
+  of the union's arm choice.
 """
 
 from __future__ import annotations
