@@ -137,16 +137,12 @@ def _outside_selection(folder: Path, selected: slice | None) -> set[tuple[str, s
     shards = sorted((folder / "shards").glob("*.jsonl")) if selected is not None else []
     if not shards or [f.stem for f in shards] != [f"{i:05d}" for i in range(len(shards))]:
         return set()
+    from training.batching import shard_records
+
     chosen = set(shards[selected])
 
     def ids(files) -> set[tuple[str, str]]:
-        out = set()
-        for f in files:
-            for line in f.read_text(encoding="utf-8").splitlines():
-                if line.strip():
-                    rec = json.loads(line)
-                    out.add((rec["source"], str(rec["source_id"])))
-        return out
+        return {(rec["source"], str(rec["source_id"])) for rec in shard_records(files)}
 
     return ids([f for f in shards if f not in chosen]) - ids(chosen)
 

@@ -56,7 +56,7 @@ def load_distilled(path) -> list[dict]:
         if not shards:
             raise ValueError(f"shard range [{chosen.start}:{chosen.stop}] of {str(path)!r} is empty ({total} finished shards)")
     if shards:
-        return [json.loads(line) for s in shards for line in s.read_text(encoding="utf-8").splitlines() if line]
+        return shard_records(shards)
     if (path / "shards").is_dir():
         raise FileNotFoundError(f"{path} has no finished shard yet: let scripts/distill_data.py run longer")
     if path.is_dir():
@@ -64,6 +64,11 @@ def load_distilled(path) -> list[dict]:
 
         return list(load_from_disk(str(path)))
     raise FileNotFoundError(f"no distilled data at {str(path)!r}: run scripts/distill_data.py first")
+
+
+def shard_records(files) -> list[dict]:
+    """The records of distillation shard files (JSON lines), in order."""
+    return [json.loads(line) for f in files for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def length_buckets(examples: list[dict], max_len: int, tokens_per_batch: int) -> list[list[int]]:
