@@ -15,6 +15,13 @@ with seed ``r * generations + g``, the same for every variant). The variants run
 each round, so load on this shared machine hits them alike. Reported per variant: generations
 whose mean accepted length stayed under ``--floor`` (mostly plain steps, or prompt lookup's), the
 mean MAT, mean tokens/s (prefill included), and the steps per arm summed over all generations.
+With ``--alone SPEC ...`` (e.g. ``eagle3``) each round also runs those drafters alone, fresh and
+warmed up alike, on the same seeds, and each variant is set against each of them as the
+benchmark sets methods against each other: output tokens/s after the first step, pooled over the
+generations, as a ratio paired by seed with a 95% bootstrap interval over the generations
+(:func:`paired_ratio`). At T > 0 each run samples its own text, so a ratio on one generation
+(the benchmark's first turn) says little; over many seeds it says whether a fresh union loses to
+its member at a process's start. The runs' order rotates from round to round.
 Writes <out>.json and <out>.md.
 """
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shlex
 import sys
 from pathlib import Path
@@ -41,6 +49,28 @@ from selfspec.measurement.workloads import first_per_category  # noqa: E402
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+def paired_ratio(a: list[dict], b: list[dict], resamples: int = 1000, seed: int = 0) -> tuple[float, list[float] | None]:
+    """Pooled output tokens/s after the first step of generations ``a`` over those of ``b``, paired
+    by position (the same seed), and its 95% bootstrap interval over the pairs (``None`` with
+    fewer than 3 pairs). Each generation is ``{"tokens": tokens after the first step, "seconds":
+    seconds after the first step}``; deterministic (seeded)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"need the same positive number of generations on both sides, got {len(a)} and {len(b)}")
+
+    def rate(gens: list[dict]) -> float:
+        return sum(g["tokens"] for g in gens) / max(1e-12, sum(g["seconds"] for g in gens))
+
+    point = rate(a) / rate(b)
+    if len(a) < 3:
+        return point, None
+    rng, ratios = random.Random(seed), []
+    for _ in range(resamples):
+        pick = [rng.randrange(len(a)) for _ in a]
+        ratios.append(rate([a[i] for i in pick]) / rate([b[i] for i in pick]))
+    ratios.sort()
+    return point, [ratios[int(0.025 * (resamples - 1))], ratios[int(0.975 * (resamples - 1))]]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=selfspec.DEFAULT_TARGET)
@@ -54,6 +84,8 @@ def main(argv=None) -> None:
     ap.add_argument("--generations", type=int, default=2, help="generations per fresh union")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--floor", type=float, default=1.35, help="a generation under this MAT counts as benched")
+    ap.add_argument("--alone", nargs="*", default=[], help="drafter specs run alone on the same seeds "
+                    "(e.g. eagle3): every variant is set against each of them")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.unions < 1 or args.generations < 1:
@@ -70,34 +102,62 @@ def main(argv=None) -> None:
         raise SystemExit(str(e)) from None
     ids = encode_chat(tok, [{"role": "user", "content": question.turns[0]}])
     specs = [f"union@{v}:{args.members}" if v else args.members for v in args.variants]
-    runs: dict[str, list[dict]] = {s: [] for s in specs}
+    if set(args.alone) & set(specs) or len(set(args.alone)) != len(args.alone):
+        raise SystemExit(f"--alone must name drafters other than the unions, once each: {args.alone}")
+    runs: dict[str, list[dict]] = {s: [] for s in specs + list(args.alone)}
+    order = list(runs)
     for r in range(args.unions):
-        for spec in specs:
+        shift = r % len(order)  # rotated: no spec always runs first in a round
+        for spec in order[shift:] + order[:shift]:
             method = method_from_spec(model, spec, args.target, tokenizer=tok)
-            union = method.drafter
+            drafter = getattr(method, "drafter", None)
             warm_up_runner(model, method, temperature=args.temperature, seed=0)
             for g in range(args.generations):
-                before = list(union.arm_steps)
-                out = method(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             seed=r * args.generations + g)
-                runs[spec].append({"mat": out.new_tokens / out.steps, "tokens_per_s": out.new_tokens / out.wall_time_s,
-                                   "arm_steps": [a - b for a, b in zip(union.arm_steps, before)]})
+                before = list(getattr(drafter, "arm_steps", []))
+                seed = r * args.generations + g
+                out = method(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed)
+                runs[spec].append({"seed": seed, "mat": out.new_tokens / out.steps,
+                                   "tokens_per_s": out.new_tokens / out.wall_time_s,
+                                   "tokens": out.new_tokens - out.first_tokens, "seconds": out.wall_time_s - out.ttft_s,
+                                   "arm_steps": [a - b for a, b in zip(getattr(drafter, "arm_steps", []), before)]})
             print(spec, runs[spec][-args.generations:], flush=True)
+    for gens in runs.values():  # pair by seed
+        gens.sort(key=lambda g: g["seed"])
     names = ["plain"] + args.members.split("+") + ["merge"]
     rows = []
     for spec, gens in runs.items():
-        rows.append({"spec": spec, "generations": len(gens), "benched": sum(g["mat"] < args.floor for g in gens),
-                     "mean_mat": sum(g["mat"] for g in gens) / len(gens),
-                     "mean_tokens_per_s": sum(g["tokens_per_s"] for g in gens) / len(gens),
-                     "arm_steps": [sum(g["arm_steps"][i] for g in gens) for i in range(len(names))]})
+        row = {"spec": spec, "generations": len(gens), "benched": sum(g["mat"] < args.floor for g in gens),
+               "mean_mat": sum(g["mat"] for g in gens) / len(gens),
+               "mean_tokens_per_s": sum(g["tokens_per_s"] for g in gens) / len(gens),
+               "tokens_per_s_after_first": sum(g["tokens"] for g in gens) / sum(g["seconds"] for g in gens),
+               "arm_steps": [sum(g["arm_steps"][i] for g in gens) for i in range(len(names))] if spec in specs else None,
+               "against": {}}
+        if spec in specs:
+            for ref in args.alone:
+                point, ci = paired_ratio(gens, runs[ref])
+                row["against"][ref] = {"ratio": point, "ci": ci}
+        rows.append(row)
+    def against(r: dict) -> str:  # noqa: E306  (each drafter alone: ratio and interval, or '-')
+        cells = []
+        for ref in args.alone:
+            got = r["against"].get(ref)
+            cells.append("-" if got is None else f"{got['ratio']:.2f}x" + (
+                f" ({got['ci'][0]:.2f}-{got['ci'][1]:.2f})" if got["ci"] else ""))
+        return "".join(f" {c} |" for c in cells)
+
     command = "python scripts/union_cold_start.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     table = "\n".join(f"| `{r['spec']}` | {r['benched']} of {r['generations']} | {r['mean_mat']:.2f} | "
-                      f"{r['mean_tokens_per_s']:.1f} | {' / '.join(map(str, r['arm_steps']))} |" for r in rows)
+                      f"{r['mean_tokens_per_s']:.1f} | {r['tokens_per_s_after_first']:.1f} | "
+                      f"{' / '.join(map(str, r['arm_steps'])) if r['arm_steps'] is not None else '-'} |{against(r)}"
+                      for r in rows)
+    refs = "".join(f" method / `{ref}` (95% CI) |" for ref in args.alone)
     text = (f"`{command}`\n\n{args.unions} fresh unions per variant, {args.generations} generations each "
             f"({args.max_new_tokens} new tokens, T={args.temperature:g}, seeds 0-{args.unions * args.generations - 1}, the first turn of MT-Bench's first "
-            f"{args.category} question; {torch.get_num_threads()} threads; tokens/s include prefill):\n\n"
-            f"| union | generations under MAT {args.floor:g} | mean MAT | mean tokens/s | steps per arm "
-            f"({' / '.join(names)}) |\n|---|---|---|---|---|\n{table}\n")
+            f"{args.category} question; {torch.get_num_threads()} threads; mean tokens/s include prefill, "
+            f"tokens/s after the first step are pooled over the generations"
+            + (", as are the ratios to each drafter alone (fresh per round, same seeds)" if args.alone else "")
+            + f"):\n\n| method | generations under MAT {args.floor:g} | mean MAT | mean tokens/s | tokens/s after the first step | steps per arm "
+            f"({' / '.join(names)}) |{refs}\n|---|---|---|---|---|---|{'---|' * len(args.alone)}\n{table}\n")
     print(text)
     write_result(args.out, {"command": command, "provenance": benchmark.provenance(), "arms": names, "rows": rows,
                             "runs": runs}, text)
