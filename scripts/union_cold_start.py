@@ -1,5 +1,5 @@
 """How fresh unions fare on one prompt (a diagnostic of the union's arm choice at a process's
-start, not a benchmark: no baseline, no interval).
+start, not a benchmark: no plain baseline; with ``--alone``, paired ratios to members alone).
 
     python scripts/union_cold_start.py --category writing --temperature 0.7 --unions 8 \\
         --dtype bfloat16 --variants "" "upper_z=-1000.0" --out docs/results/r33_union_cold_start
@@ -15,13 +15,16 @@ with seed ``r * generations + g``, the same for every variant). The variants run
 each round, so load on this shared machine hits them alike. Reported per variant: generations
 whose mean accepted length stayed under ``--floor`` (mostly plain steps, or prompt lookup's), the
 mean MAT, mean tokens/s (prefill included), and the steps per arm summed over all generations.
-With ``--alone SPEC ...`` (e.g. ``eagle3``) each round also runs those drafters alone, fresh and
-warmed up alike, on the same seeds, and each variant is set against each of them as the
-benchmark sets methods against each other: output tokens/s after the first step, pooled over the
-generations, as a ratio paired by seed with a 95% bootstrap interval over the generations
-(:func:`paired_ratio`). At T > 0 each run samples its own text, so a ratio on one generation
-(the benchmark's first turn) says little; over many seeds it says whether a fresh union loses to
-its member at a process's start. The runs' order rotates from round to round.
+Also per variant: output tokens/s after the first step (the benchmark's metric), pooled over
+the generations. With ``--alone SPEC ...`` (e.g. ``eagle3``) each round also runs those drafters
+alone, fresh and warmed up alike, on the same seeds (rows of their own), and each variant is set
+against each of them: its pooled tokens/s after the first step over the drafter's, paired by seed,
+with a 95% bootstrap interval that resamples rounds (a fresh union's generations are not
+independent of each other; :func:`paired_ratio`). With ``--generations 1`` every pair is a fresh
+union's first generation, the start of a process; with more, later generations of a warmed union
+are pooled in. At T > 0 each run samples its own text, so a ratio on one generation (the
+benchmark's first turn) says little; over many seeds it says whether a fresh union loses to its
+member. The runs' order rotates from round to round (each run stores its round and position).
 Writes <out>.json and <out>.md.
 """
 
@@ -50,25 +53,42 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def paired_ratio(a: list[dict], b: list[dict], resamples: int = 1000, seed: int = 0) -> tuple[float, list[float] | None]:
-    """Pooled output tokens/s after the first step of generations ``a`` over those of ``b``, paired
-    by position (the same seed), and its 95% bootstrap interval over the pairs (``None`` with
-    fewer than 3 pairs). Each generation is ``{"tokens": tokens after the first step, "seconds":
-    seconds after the first step}``; deterministic (seeded)."""
+    """Pooled output tokens/s after the first step of generations ``a`` over those of ``b``, and its
+    95% bootstrap interval (``None`` with fewer than 3 rounds). ``a[i]`` and ``b[i]`` must be
+    generations with the same ``seed`` where given; each is ``{"tokens": tokens after the first
+    step, "seconds": seconds after the first step}``, optionally with its ``round``: the
+    interval resamples rounds with all their pairs (one fresh union's generations depend on each
+    other), else single pairs. A rate with no seconds is 0 (as the benchmark's), a ratio over a
+    zero rate 0, and resamples where either rate is 0 are skipped. Deterministic (seeded).
+
+    Raises:
+        ValueError: different lengths, no generations, or pairs of different seeds."""
     if len(a) != len(b) or not a:
         raise ValueError(f"need the same positive number of generations on both sides, got {len(a)} and {len(b)}")
+    if [g.get("seed") for g in a] != [g.get("seed") for g in b]:
+        raise ValueError("pairs must be generations of the same seeds, in the same order")
 
-    def rate(gens: list[dict]) -> float:
-        return sum(g["tokens"] for g in gens) / max(1e-12, sum(g["seconds"] for g in gens))
+    def rate(gens: list[dict]) -> float:  # as the benchmark's `_rate`
+        seconds = sum(g["seconds"] for g in gens)
+        return sum(g["tokens"] for g in gens) / seconds if seconds > 0 else 0.0
 
-    point = rate(a) / rate(b)
-    if len(a) < 3:
+    point = rate(a) / rate(b) if rate(b) > 0 else 0.0
+    units: dict = {}
+    for i, g in enumerate(a):
+        units.setdefault(g.get("round", i), []).append(i)
+    groups = list(units.values())
+    if len(groups) < 3:
         return point, None
     rng, ratios = random.Random(seed), []
     for _ in range(resamples):
-        pick = [rng.randrange(len(a)) for _ in a]
-        ratios.append(rate([a[i] for i in pick]) / rate([b[i] for i in pick]))
+        pick = [i for _ in groups for i in groups[rng.randrange(len(groups))]]
+        ra, rb = rate([a[i] for i in pick]), rate([b[i] for i in pick])
+        if ra > 0 and rb > 0:
+            ratios.append(ra / rb)
+    if not ratios:
+        return point, None
     ratios.sort()
-    return point, [ratios[int(0.025 * (resamples - 1))], ratios[int(0.975 * (resamples - 1))]]
+    return point, [ratios[int(0.025 * (len(ratios) - 1))], ratios[int(0.975 * (len(ratios) - 1))]]
 
 
 def main(argv=None) -> None:
@@ -108,7 +128,7 @@ def main(argv=None) -> None:
     order = list(runs)
     for r in range(args.unions):
         shift = r % len(order)  # rotated: no spec always runs first in a round
-        for spec in order[shift:] + order[:shift]:
+        for position, spec in enumerate(order[shift:] + order[:shift]):
             method = method_from_spec(model, spec, args.target, tokenizer=tok)
             drafter = getattr(method, "drafter", None)
             warm_up_runner(model, method, temperature=args.temperature, seed=0)
@@ -116,7 +136,7 @@ def main(argv=None) -> None:
                 before = list(getattr(drafter, "arm_steps", []))
                 seed = r * args.generations + g
                 out = method(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed)
-                runs[spec].append({"seed": seed, "mat": out.new_tokens / out.steps,
+                runs[spec].append({"round": r, "position": position, "seed": seed, "mat": out.new_tokens / out.steps,
                                    "tokens_per_s": out.new_tokens / out.wall_time_s,
                                    "tokens": out.new_tokens - out.first_tokens, "seconds": out.wall_time_s - out.ttft_s,
                                    "arm_steps": [a - b for a, b in zip(getattr(drafter, "arm_steps", []), before)]})
@@ -129,7 +149,7 @@ def main(argv=None) -> None:
         row = {"spec": spec, "generations": len(gens), "benched": sum(g["mat"] < args.floor for g in gens),
                "mean_mat": sum(g["mat"] for g in gens) / len(gens),
                "mean_tokens_per_s": sum(g["tokens_per_s"] for g in gens) / len(gens),
-               "tokens_per_s_after_first": sum(g["tokens"] for g in gens) / sum(g["seconds"] for g in gens),
+               "tokens_per_s_after_first": sum(g["tokens"] for g in gens) / max(1e-9, sum(g["seconds"] for g in gens)),
                "arm_steps": [sum(g["arm_steps"][i] for g in gens) for i in range(len(names))] if spec in specs else None,
                "against": {}}
         if spec in specs:
@@ -151,7 +171,7 @@ def main(argv=None) -> None:
                       f"{' / '.join(map(str, r['arm_steps'])) if r['arm_steps'] is not None else '-'} |{against(r)}"
                       for r in rows)
     refs = "".join(f" method / `{ref}` (95% CI) |" for ref in args.alone)
-    text = (f"`{command}`\n\n{args.unions} fresh unions per variant, {args.generations} generations each "
+    text = (f"`{command}`\n\n{args.unions} fresh unions per variant, {args.generations} generation{'s' if args.generations > 1 else ''} each "
             f"({args.max_new_tokens} new tokens, T={args.temperature:g}, seeds 0-{args.unions * args.generations - 1}, the first turn of MT-Bench's first "
             f"{args.category} question; {torch.get_num_threads()} threads; mean tokens/s include prefill, "
             f"tokens/s after the first step are pooled over the generations"

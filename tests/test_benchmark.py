@@ -415,9 +415,10 @@ def test_compare_warms_up_each_union_member_before_timing(monkeypatch):
     assert [d for d, _, n in seen[4:]] == [None, union] and all(n == 6 for _, _, n in seen[4:])
 
 
-def test_cold_start_ratios_to_a_member_alone_are_paired_by_seed():
+def test_cold_start_ratios_to_a_member_alone_pair_seeds_and_resample_rounds():
     """scripts/union_cold_start.py --alone: a variant's pooled tokens/s after the first step over a
-    drafter alone's on the same seeds, with a bootstrap interval over the pairs."""
+    drafter alone's on the same seeds, with a bootstrap interval that resamples rounds (a fresh
+    union's generations together); pairs of different seeds are refused, zero rates give 0."""
     import importlib.util
     import pathlib
 
@@ -425,15 +426,23 @@ def test_cold_start_ratios_to_a_member_alone_are_paired_by_seed():
         "cold_start", pathlib.Path(__file__).parents[1] / "scripts" / "union_cold_start.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    alone = [{"tokens": 100, "seconds": s} for s in (2.0, 3.0, 4.0, 5.0)]
+    alone = [{"seed": i, "tokens": 100, "seconds": s} for i, s in enumerate((2.0, 3.0, 4.0, 5.0))]
     same = script.paired_ratio(alone, alone)
     assert same == (pytest.approx(1.0), [pytest.approx(1.0), pytest.approx(1.0)])
-    faster = [{"tokens": g["tokens"], "seconds": g["seconds"] / 1.25} for g in alone]
+    faster = [g | {"seconds": g["seconds"] / 1.25} for g in alone]
     point, ci = script.paired_ratio(faster, alone)
     assert point == pytest.approx(1.25) and ci == [pytest.approx(1.25), pytest.approx(1.25)]
-    mixed = [{"tokens": 100, "seconds": s} for s in (1.0, 3.0, 6.0, 5.0)]
+    mixed = [g | {"seconds": s} for g, s in zip(alone, (1.0, 3.0, 6.0, 5.0))]
     point, ci = script.paired_ratio(mixed, alone)  # pooled: 400 tokens in 15 s against 14 s
     assert point == pytest.approx(14 / 15) and ci[0] < point < ci[1]
-    assert script.paired_ratio(alone[:2], alone[:2])[1] is None  # too few pairs for an interval
+
+    def in_rounds(gens):  # two rounds of two generations each: too few rounds for an interval
+        return [g | {"round": i // 2} for i, g in enumerate(gens)]
+
+    assert script.paired_ratio(in_rounds(mixed), in_rounds(alone)) == (pytest.approx(14 / 15), None)
+    with pytest.raises(ValueError, match="same seeds"):
+        script.paired_ratio(mixed, alone[::-1])
     with pytest.raises(ValueError, match="same positive number"):
         script.paired_ratio(alone, alone[:3])
+    stalled = [g | {"tokens": 0} for g in alone]  # every generation ended in its first step
+    assert script.paired_ratio(alone, stalled) == (0.0, None)
