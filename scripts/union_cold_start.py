@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shlex
 import sys
 from pathlib import Path
@@ -45,7 +44,7 @@ import torch  # noqa: E402
 import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.measurement import benchmark  # noqa: E402
-from selfspec.measurement.benchmark import method_from_spec, warm_up_runner  # noqa: E402
+from selfspec.measurement.benchmark import bootstrap_ci, method_from_spec, warm_up_runner  # noqa: E402
 from selfspec.measurement.measure import write_result  # noqa: E402
 from selfspec.measurement.workloads import first_per_category  # noqa: E402
 
@@ -67,28 +66,25 @@ def paired_ratio(a: list[dict], b: list[dict], resamples: int = 1000, seed: int 
         raise ValueError(f"need the same positive number of generations on both sides, got {len(a)} and {len(b)}")
     if [g.get("seed") for g in a] != [g.get("seed") for g in b]:
         raise ValueError("pairs must be generations of the same seeds, in the same order")
-
-    def rate(gens: list[dict]) -> float:  # as the benchmark's `_rate`
-        seconds = sum(g["seconds"] for g in gens)
-        return sum(g["tokens"] for g in gens) / seconds if seconds > 0 else 0.0
-
-    point = rate(a) / rate(b) if rate(b) > 0 else 0.0
+    point = pooled_rate(a) / pooled_rate(b) if pooled_rate(b) > 0 else 0.0
     units: dict = {}
     for i, g in enumerate(a):
         units.setdefault(g.get("round", i), []).append(i)
     groups = list(units.values())
-    if len(groups) < 3:
-        return point, None
-    rng, ratios = random.Random(seed), []
-    for _ in range(resamples):
-        pick = [i for _ in groups for i in groups[rng.randrange(len(groups))]]
-        ra, rb = rate([a[i] for i in pick]), rate([b[i] for i in pick])
-        if ra > 0 and rb > 0:
-            ratios.append(ra / rb)
-    if not ratios:
-        return point, None
-    ratios.sort()
-    return point, [ratios[int(0.025 * (len(ratios) - 1))], ratios[int(0.975 * (len(ratios) - 1))]]
+
+    def ratio(picked: list[int]) -> float | None:  # (picked rounds, each with all its pairs)
+        pick = [i for r in picked for i in groups[r]]
+        ra, rb = pooled_rate([a[i] for i in pick]), pooled_rate([b[i] for i in pick])
+        return ra / rb if ra > 0 and rb > 0 else None
+
+    return point, bootstrap_ci(len(groups), ratio, resamples, seed)
+
+
+def pooled_rate(gens: list[dict]) -> float:
+    """Output tokens/s after the first step pooled over ``gens`` (0 without seconds), as the
+    benchmark's ``_rate``."""
+    seconds = sum(g["seconds"] for g in gens)
+    return sum(g["tokens"] for g in gens) / seconds if seconds > 0 else 0.0
 
 
 def main(argv=None) -> None:
@@ -149,7 +145,7 @@ def main(argv=None) -> None:
         row = {"spec": spec, "generations": len(gens), "benched": sum(g["mat"] < args.floor for g in gens),
                "mean_mat": sum(g["mat"] for g in gens) / len(gens),
                "mean_tokens_per_s": sum(g["tokens_per_s"] for g in gens) / len(gens),
-               "tokens_per_s_after_first": sum(g["tokens"] for g in gens) / max(1e-9, sum(g["seconds"] for g in gens)),
+               "tokens_per_s_after_first": pooled_rate(gens),
                "arm_steps": [sum(g["arm_steps"][i] for g in gens) for i in range(len(names))] if spec in specs else None,
                "against": {}}
         if spec in specs:

@@ -42,7 +42,7 @@ import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.drafters import UnionDrafter, drafter_from_spec  # noqa: E402
 from selfspec.measurement import benchmark  # noqa: E402
-from selfspec.measurement.calibration import _T975  # noqa: E402
+from selfspec.measurement.calibration import t975  # noqa: E402
 from selfspec.measurement.measure import warm_up_drafting, write_result  # noqa: E402
 from selfspec.measurement.workloads import load_questions  # noqa: E402
 
@@ -68,7 +68,7 @@ def t_interval(values: list[float]) -> list[float] | None:
         return None
     mean = sum(values) / n
     sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
-    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.960) * sd / n ** 0.5
+    half = t975(n - 1) * sd / n ** 0.5
     return [mean - half, mean + half]
 
 

@@ -485,23 +485,35 @@ def _units(records: list[Record]) -> dict[tuple, dict[str, Record]]:
     return units
 
 
+def bootstrap_ci(count: int, statistic, resamples: int = 1000, seed: int = 0) -> list[float] | None:
+    """95% percentile-bootstrap interval of ``statistic(picked)`` over ``count`` units, each
+    resample ``count`` unit indices drawn with replacement (``statistic`` returns ``None`` for a
+    resample it cannot score, which is skipped). ``None`` with fewer than 3 units or no scored
+    resample. Deterministic (seeded)."""
+    if count < 3:
+        return None
+    rng = random.Random(seed)
+    values = []
+    for _ in range(resamples):
+        value = statistic([rng.randrange(count) for _ in range(count)])
+        if value is not None:
+            values.append(value)
+    if not values:
+        return None
+    values.sort()
+    return [values[int(0.025 * (len(values) - 1))], values[int(0.975 * (len(values) - 1))]]
+
+
 def ratio_ci(records: list[Record], a: str, b: str, resamples: int = 1000, seed: int = 0) -> list[float] | None:
     """95% paired-bootstrap interval of ``rate(a) / rate(b)`` over the (question, turn) units where
     both ran (``None`` with fewer than 3 such units). Deterministic (seeded)."""
     units = [u for u in _units(records).values() if a in u and b in u]
-    if len(units) < 3:
-        return None
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(resamples):
-        pick = [units[rng.randrange(len(units))] for _ in units]
-        ra, rb = _rate([u[a] for u in pick]), _rate([u[b] for u in pick])
-        if ra > 0 and rb > 0:
-            ratios.append(ra / rb)
-    if not ratios:
-        return None
-    ratios.sort()
-    return [ratios[int(0.025 * (len(ratios) - 1))], ratios[int(0.975 * (len(ratios) - 1))]]
+
+    def ratio(picked: list[int]) -> float | None:
+        ra, rb = _rate([units[i][a] for i in picked]), _rate([units[i][b] for i in picked])
+        return ra / rb if ra > 0 and rb > 0 else None
+
+    return bootstrap_ci(len(units), ratio, resamples, seed)
 
 
 def union_vs_members(records: list[Record]) -> list[dict]:

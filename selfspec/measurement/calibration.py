@@ -176,6 +176,12 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
          2.056, 2.052, 2.048, 2.045, 2.042)
 
 
+def t975(df: int) -> float:
+    """The 97.5% quantile of Student's t with ``df`` >= 1 degrees of freedom (1.960 past 30): a
+    one-sided 97.5% bound, or half of a two-sided 95% interval, is ``t975(n - 1) * se``."""
+    return _T975[df - 1] if df <= len(_T975) else 1.960
+
+
 def _clearly_worse(a: list[float], b: list[float]) -> bool:
     """Whether paired samples ``a`` are lower than ``b`` on average, one-sided at 97.5% (Student t)."""
     diff = [x - y for x, y in zip(a, b)]
@@ -183,8 +189,7 @@ def _clearly_worse(a: list[float], b: list[float]) -> bool:
         return False
     mean = _mean(diff)
     var = sum((d - mean) ** 2 for d in diff) / (len(diff) - 1)
-    t = _T975[len(diff) - 2] if len(diff) - 1 <= len(_T975) else 1.960
-    return mean + t * math.sqrt(var / len(diff)) < 0
+    return mean + t975(len(diff) - 1) * math.sqrt(var / len(diff)) < 0
 
 
 def measured_runs(model, make, prompts: list[torch.Tensor], keys: list, max_new_tokens: int = 64, **gen) -> dict:
