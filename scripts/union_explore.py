@@ -61,6 +61,15 @@ def _watch(union: UnionDrafter, events: list[dict], generation: list[int]) -> No
     union._choose_arm = spy
 
 
+def _pooled(sums: list[list[float]]) -> list[float]:
+    return [sum(s[0] for s in sums), sum(s[1] for s in sums)]
+
+
+def _rate(sums: list[float]) -> float:
+    """Tokens per second of ``[tokens, seconds]`` (0.0 without seconds)."""
+    return sums[0] / sums[1] if sums[1] > 0 else 0.0
+
+
 def t_interval(values: list[float]) -> list[float] | None:
     """Two-sided 95% Student-t interval of the mean of ``values`` (``None`` for fewer than 2)."""
     n = len(values)
@@ -77,7 +86,9 @@ def combine(results: list[dict]) -> list[dict]:
     same order): its ratio to the reference (the first method) after the first step and over whole
     generations, each as the mean over the replays with :func:`t_interval`, and its mean exploring
     steps (unions). Replays written before the after-first-step column count over whole
-    generations only (``after_first`` then ``None``)."""
+    generations only (``after_first`` then ``None``); ``later_passes``, the ratio after the first step
+    over the replays' second and later passes over the prompts (a union has then met every kind of
+    text once), ``None`` for replays without it."""
     if not results:
         raise ValueError("nothing to combine")
     methods = [r["method"] for r in results[0]["rows"]]
@@ -89,10 +100,13 @@ def combine(results: list[dict]) -> list[dict]:
         rows = [res["rows"][i] for res in results]
         whole = [r["reference_over_method"] for r in rows]
         after = [r["after_first_over_reference"] for r in rows if "after_first_over_reference" in r]
+        later = [r["later_passes_over_reference"] for r in rows if "later_passes_over_reference" in r]
         row = {"method": m, "replays": len(rows),
                "whole": {"mean": sum(whole) / len(whole), "ci": t_interval(whole), "values": whole},
                "after_first": ({"mean": sum(after) / len(after), "ci": t_interval(after), "values": after}
-                               if len(after) == len(rows) else None)}
+                               if len(after) == len(rows) else None),
+               "later_passes": ({"mean": sum(later) / len(later), "ci": t_interval(later), "values": later}
+                                if len(later) == len(rows) else None)}
         if all("exploring_steps" in r for r in rows):
             row["exploring_steps"] = sum(r["exploring_steps"] for r in rows) / len(rows)
         out.append(row)
@@ -110,11 +124,12 @@ def _combined_table(rows: list[dict], command: str) -> str:
     lines = [f"`{command}`", "", f"{rows[0]['replays']} replays; per method its mean ratio to `{ref}` over them with "
              "a 95% Student-t interval: method / reference in output tokens/s after each generation's first step "
              "(the benchmark's speed), and reference / method in seconds over whole generations.", "",
-             f"| method | replays | method / `{ref}` after the first step | `{ref}` / method, whole generations | "
-             "exploring steps per replay |", "|---|---|---|---|---|"]
+             f"| method | replays | method / `{ref}` after the first step | the same, passes 2+ over the prompts | "
+             f"`{ref}` / method, whole generations | exploring steps per replay |", "|---|---|---|---|---|---|"]
     for r in rows:
         steps = f"{r['exploring_steps']:.1f}" if "exploring_steps" in r else "-"
-        lines.append(f"| `{r['method']}` | {r['replays']} | {cell(r['after_first'])} | {cell(r['whole'])} | {steps} |")
+        lines.append(f"| `{r['method']}` | {r['replays']} | {cell(r['after_first'])} | {cell(r.get('later_passes'))} | "
+                     f"{cell(r['whole'])} | {steps} |")
     return "\n".join(lines) + "\n"
 
 
@@ -157,8 +172,9 @@ def main(argv=None) -> None:
         _watch(drafters[m], events[m], generation)
     seconds = dict.fromkeys(args.methods, 0.0)
     after = {m: [0.0, 0.0] for m in args.methods}  # [tokens, seconds] after each generation's first step
+    passes = {m: [[0.0, 0.0] for _ in range(args.repeats)] for m in args.methods}  # the same, per pass
     names = list(args.methods)
-    for _ in range(args.repeats):
+    for r in range(args.repeats):
         for q in questions:
             ids = encode_chat(tok, [{"role": "user", "content": q.turns[0]}], system=q.system)
             generation[0] += 1
@@ -168,15 +184,19 @@ def main(argv=None) -> None:
                 out = selfspec.generate(model, ids, drafter=drafters[m], max_new_tokens=args.max_new_tokens)
                 seconds[m] += time.perf_counter() - start
                 s = out.stats
-                after[m][0] += s.new_tokens - s.first_step_tokens
-                after[m][1] += s.wall_time_s - s.first_token_s
+                for sums in (after[m], passes[m][r]):
+                    sums[0] += s.new_tokens - s.first_step_tokens
+                    sums[1] += s.wall_time_s - s.first_token_s
     ref = args.methods[0]
     rows = []
     for m in args.methods:
         rate = after[m][0] / after[m][1] if after[m][1] > 0 else 0.0
         ref_rate = after[ref][0] / after[ref][1] if after[ref][1] > 0 else 0.0
         row = {"method": m, "seconds": seconds[m], "reference_over_method": seconds[ref] / seconds[m],
-               "tokens_per_s_after_first": rate, "after_first_over_reference": rate / ref_rate if ref_rate else 0.0}
+               "tokens_per_s_after_first": rate, "after_first_over_reference": rate / ref_rate if ref_rate else 0.0,
+               "after_first_by_pass": [_rate(p) / _rate(q) for p, q in zip(passes[m], passes[ref])]}
+        if args.repeats > 1:  # after the first pass over the prompts (a union has seen every kind of text)
+            row["later_passes_over_reference"] = (_rate(_pooled(passes[m][1:])) / _rate(_pooled(passes[ref][1:])))
         if m in events:
             union, ev = drafters[m], events[m]
             row |= {"exploring_steps": len(ev), "probes": sum(e["probe"] for e in ev),
@@ -189,13 +209,15 @@ def main(argv=None) -> None:
              f"generations; {torch.get_num_threads()} threads; seconds include prefill. Arms: plain / each member "
              "alone / the merge.", "",
              f"| method | seconds | `{ref}` / method | tokens/s after the first step | method / `{ref}` there | "
-             "exploring steps (probes) | exploring steps per arm | steps per arm |",
-             "|---|---|---|---|---|---|---|---|"]
+             "per pass over the prompts | exploring steps (probes) | exploring steps per arm | steps per arm |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         explore = (f"{r['exploring_steps']} ({r['probes']}) | {' / '.join(map(str, r['exploring_per_arm']))} | "
                    f"{' / '.join(map(str, r['arm_steps']))}") if "arm_steps" in r else "- | - | -"
+        by_pass = " / ".join(f"{v:.3f}" for v in r["after_first_by_pass"])
         lines.append(f"| `{r['method']}` | {r['seconds']:.2f} | {r['reference_over_method']:.3f}x | "
-                     f"{r['tokens_per_s_after_first']:.1f} | {r['after_first_over_reference']:.3f}x | {explore} |")
+                     f"{r['tokens_per_s_after_first']:.1f} | {r['after_first_over_reference']:.3f}x | {by_pass} | "
+                     f"{explore} |")
     text = "\n".join(lines) + "\n"
     print(text)
     write_result(args.out, {"command": command, "provenance": benchmark.provenance(), "rows": rows}, text)

@@ -450,8 +450,9 @@ def test_cold_start_ratios_to_a_member_alone_pair_seeds_and_resample_rounds():
 
 def test_union_replays_combine_into_mean_ratios_with_intervals():
     """scripts/union_explore.py --combine: each method's ratio to the reference, mean over replays
-    with a Student-t interval, after the first step and over whole generations; replays stored
-    before the after-first-step column give none; replays of other methods are refused."""
+    with a Student-t interval, after the first step (over all passes over the prompts, and over the
+    second and later ones) and over whole generations; replays stored before those columns give
+    none; replays of other methods are refused."""
     import importlib.util
     import pathlib
 
@@ -461,12 +462,13 @@ def test_union_replays_combine_into_mean_ratios_with_intervals():
     spec.loader.exec_module(script)
 
     def replay(union_after, union_whole, old=False):
-        rows = [{"method": "ngram", "reference_over_method": 1.0, "after_first_over_reference": 1.0},
+        rows = [{"method": "ngram", "reference_over_method": 1.0, "after_first_over_reference": 1.0,
+                 "later_passes_over_reference": 1.0},
                 {"method": "a+b", "reference_over_method": union_whole, "after_first_over_reference": union_after,
-                 "exploring_steps": 4}]
+                 "later_passes_over_reference": union_after + 0.01, "exploring_steps": 4}]
         if old:
             for r in rows:
-                del r["after_first_over_reference"]
+                del r["after_first_over_reference"], r["later_passes_over_reference"]
         return {"rows": rows}
 
     rows = script.combine([replay(0.98, 0.97), replay(1.00, 0.99), replay(0.99, 0.98)])
@@ -477,10 +479,12 @@ def test_union_replays_combine_into_mean_ratios_with_intervals():
     assert (high - low) / 2 == pytest.approx(4.303 * 0.01 / 3 ** 0.5) and low < 0.99 < high
     assert rows[0]["after_first"]["ci"] == [pytest.approx(1.0), pytest.approx(1.0)]
     assert union["exploring_steps"] == 4 and "exploring_steps" not in rows[0]
-    assert script.combine([replay(0.98, 0.97), replay(0.0, 0.99, old=True)])[1]["after_first"] is None
+    assert union["later_passes"]["mean"] == pytest.approx(1.00)  # (a union's first pass over the prompts left out)
+    mixed = script.combine([replay(0.98, 0.97), replay(0.0, 0.99, old=True)])[1]
+    assert mixed["after_first"] is None and mixed["later_passes"] is None
     assert script.t_interval([1.0]) is None
     table = script._combined_table(rows, "cmd")
-    assert "| `a+b` | 3 | 0.990x (" in table and table.count("|---") == 5
+    assert "| `a+b` | 3 | 0.990x (" in table and table.count("|---") == 6
     other = {"rows": [{"method": "ngram", "reference_over_method": 1.0}, {"method": "c+d", "reference_over_method": 1.0}]}
     with pytest.raises(ValueError, match="different methods"):
         script.combine([replay(0.98, 0.97), other])

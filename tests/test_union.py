@@ -893,3 +893,113 @@ def test_catch_up_costs_and_state_stays_are_measured_from_the_steps():
     assert set(union.stay) <= set(union.state_steps) and union.stay
     # lookup's stretches of 60 positions and gaps of 20 last several steps each
     assert max(steps / runs for steps, runs in union.stay.values()) >= 3, union.stay
+
+
+def test_arms_that_an_idle_member_makes_redundant_are_not_run():
+    """A lookup that drafts nothing where it finds no match and says so (its ``context_key`` is
+    then its :attr:`~selfspec.drafters.base.Drafter.empty_key`): there, the merge is the head's
+    tree at a merge's cost and the lookup alone a plain step at a drafter's. The union runs
+    neither in such states and does not ask the lookup for a tree (it is told to skip); where the
+    lookup matches it still runs it, alone or merged. Output exact. Negative control: with
+    ``skip_idle=False`` the union tries them there."""
+    clock = _Clock()
+    Head = _catching_up_head(clock, per_position=0.0, per_draft=0.2)
+    Lookup = _stretch_lookup(clock, lambda ctx: (ctx.tokens.shape[0] // 40) % 2 == 0)
+    asked = []
+
+    class Idle(Lookup):
+        empty_key = 0
+
+        def propose(self, ctx):
+            asked.append(self.context_key(ctx))
+            return super().propose(ctx)
+
+    reference = decode(table_target(), torch.tensor([1, 2]), None, SamplingConfig(0.0), torch.Generator(), 420,
+                       set(), 1000).sequences[0].tolist()
+
+    def arms_by_key(skip_idle: bool) -> dict[int, set[int]]:
+        head = Head(reference, 6, depth=2, sibling=False, corrupt=lambda pos, tok: tok if pos % 3 else (tok + 1) % 6)
+        union = UnionDrafter([head, Idle(reference, 6, depth=6, sibling=False)], clock=clock, skip_idle=skip_idle)
+        steps, choose = [], union._choose_arm
+
+        def spy(ctx):
+            arm = choose(ctx)
+            steps.append((union._state[1], arm))
+            return arm
+
+        union._choose_arm = spy
+        asked.clear()
+        _plain_race_speed(clock, union, reference, 400)
+        out = {0: set(), 4: set()}
+        for key, arm in steps:
+            out[key].add(arm)
+        return out
+
+    arms = arms_by_key(True)  # arms: 0 plain, 1 head, 2 lookup, 3 merge
+    assert arms[0] and not arms[0] & {2, 3}, arms
+    assert 0 not in asked and asked, asked
+    assert arms[4] & {2, 3}, arms
+    control = arms_by_key(False)
+    assert control[0] & {2, 3}, control  # the negative control runs them where the lookup is idle
+
+
+
+def test_a_member_alones_speed_is_kept_apart_where_another_member_is_idle():
+    """Merged steps run only where the lookup matches and credit the head with what it alone would
+    have accepted there (where an output copies its context a head is right more often too); the
+    head alone runs where the lookup is idle. So a member alone's arm key carries whether each
+    other member that declares an ``empty_key`` is idle: the head's speed where the lookup is
+    idle is measured there, not borrowed from merged steps. Plain steps, which the lookup's empty
+    drafts no longer measure, are tried ``min_samples`` times where a member is idle. With
+    ``skip_idle=False``, the keys of rounds up to 36."""
+    clock = _Clock()
+    Head = _catching_up_head(clock, per_position=0.0, per_draft=0.3)
+    Lookup = _stretch_lookup(clock, lambda ctx: (ctx.tokens.shape[0] // 40) % 2 == 0)
+
+    class Idle(Lookup):
+        empty_key = 0
+
+    reference = decode(table_target(), torch.tensor([1, 2]), None, SamplingConfig(0.0), torch.Generator(), 420,
+                       set(), 1000).sequences[0].tolist()
+    members = [Head(reference, 6, depth=3, sibling=False), Idle(reference, 6, depth=6, sibling=False)]
+    union = UnionDrafter(members, clock=clock)
+    # arms: 0 plain, 1 head, 2 lookup, 3 merge; states: (head key, lookup key)
+    assert union.arm_key(1, (0, 0)) == (0, True) and union.arm_key(1, (0, 4)) == (0, False)
+    assert union.arm_key(2, (0, 0)) == (0,) and union.arm_key(3, (0, 4)) == (0, 4) and union.arm_key(0, (0, 4)) == ()
+    old = UnionDrafter(members, clock=clock, skip_idle=False)
+    assert old.arm_key(1, (0, 0)) == old.arm_key(1, (0, 4)) == (0,)
+    steps, choose = [], union._choose_arm
+
+    def spy(ctx):
+        arm = choose(ctx)
+        steps.append((union._state[1], arm))
+        return arm
+
+    union._choose_arm = spy
+    _plain_race_speed(clock, union, reference, 200)
+    idle_plain = [i for i, (key, arm) in enumerate(steps) if key == 0 and arm == 0]
+    assert len(idle_plain) >= union.min_samples and union.plain_steps >= union.min_samples
+    assert {(1, (0, True)), (1, (0, False))} <= set(union.token_sums), sorted(union.token_sums)
+
+
+@pytest.mark.parametrize("lower_z", [0.0, 1.0])
+def test_a_member_must_beat_plain_steps_at_its_lower_estimate_with_lower_z(lower_z):
+    """With ``lower_z > 0`` a member alone whose estimate beats plain steps by less than its
+    spread allows (1.5 tokens a step at 45 ms, spread 0.9, over four steps, against plain steps at
+    33 ms) is not run: plain steps are. A member that is clearly faster (2.5 tokens a step) still
+    is. With ``lower_z=0`` (the default) the faster estimate wins beyond ``select_margin``."""
+    members = [OracleDrafter([0] * 10, 6, depth=2), OracleDrafter([0] * 10, 6, depth=2)]
+    union = UnionDrafter(members, lower_z=lower_z)
+    state = (0, 0)
+    key = (1, union.arm_key(1, state))
+
+    def head_at(mean: float) -> int:
+        union.token_sums[key], union.token_squares[key] = [4 * mean, 4.0], 4 * (mean * mean + 0.81)
+        union.second_sums[key] = [4 * 0.045, 4.0]
+        union.second_sums[(0, ())] = [3 * 0.033, 3.0]
+        guess = union.estimates(state)
+        assert guess[1] > 1.05 * guess[0]  # the head's estimate beats plain steps beyond the margin
+        return union._best(guess, state)
+
+    assert head_at(1.5) == (0 if lower_z > 0 else 1)
+    assert head_at(2.5) == 1

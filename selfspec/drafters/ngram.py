@@ -47,6 +47,7 @@ class NgramDrafter(Drafter):
     """Drafts trees of earlier continuations of the context's own n-grams."""
 
     kind = "ngram"
+    empty_key = 0  # no match: an empty draft (see `context_key`)
 
     def __init__(self, config: NgramConfig, signature: TargetSignature | None = None):
         super().__init__(signature)

@@ -70,6 +70,7 @@ class SuffixDrafter(Drafter):
     """
 
     kind = "suffix"
+    empty_key = 0  # no match: an empty draft (see `context_key`)
     learns_from_outputs = True  # the global index holds every earlier output
 
     def __init__(self, cfg: SuffixConfig, signature: TargetSignature | None = None):

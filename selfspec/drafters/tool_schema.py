@@ -51,6 +51,7 @@ class ToolCallDrafter(Drafter):
     """Drafts grammar-forced tool-call text. Needs the target's (fast) tokenizer."""
 
     kind = "tools"
+    empty_key = 0  # nothing forced: an empty draft (see `context_key`)
     uses_tools = True
 
     def __init__(self, cfg: ToolDraftConfig, tokenizer, signature: TargetSignature | None = None):

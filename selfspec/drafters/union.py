@@ -32,7 +32,11 @@ is kept under the keys of its own members only: plain steps once, a member alone
 (prompt lookup with a 4-gram match is as fast whatever the head's key says), the merge per state.
 A member alone is tried as soon as its own key is new and no merged step has measured it there (a
 member has few keys, so this exploration is bounded); the merge, new in a state, borrows its speed
-over all states. At most one step in
+over all states. A member may declare the key under which it drafts nothing
+(:attr:`~selfspec.drafters.base.Drafter.empty_key`: prompt lookup without a match); in such a state
+the union runs neither that member alone (a plain step at a drafter's cost) nor a merge left with
+fewer than two members that draft (one member's merged tree at a merge's cost), and does not ask it
+for a tree (:meth:`UnionDrafter.live_arms`). At most one step in
 ``probe_every`` probes another arm, so all estimates stay current. Probes are scheduled per
 arm and its members' keys, like its speed (plain steps once for all states): an arm whose probe
 finds it still more than 10% slower than the best is probed half as often (down to every
@@ -189,6 +193,14 @@ class UnionDrafter(Drafter):
             the budget's stationary start, which is not an option).
         promising_budget: exploration budget, in multiples of ``explore_budget``, for probes of
             arms that could still be the best (others stop at ``explore_budget``).
+        skip_idle: in a context state where a member's key is its ``empty_key`` (it would draft
+            nothing), run neither it alone nor a merge that leaves fewer than two other members
+            (:meth:`live_arms`; default). ``False``: every arm in every state.
+        lower_z: standard errors below a member's measured tokens per step at which it must still
+            beat a simpler arm (plain steps) to be run rather than it (:meth:`_lower_estimate`,
+            :meth:`_best`); any value <= 0 turns this off (default: measured in round 37 with
+            ``lower_z=1`` against the union without it, level on the adversarial prompts, MT-Bench
+            greedy and BFCL, 0.95x at T=0.7, CI 0.87-1.03).
     """
 
     kind = "union"
@@ -198,7 +210,7 @@ class UnionDrafter(Drafter):
                  decay: float = 0.98, probe_every: int = 16, rate_decay: float = 0.9,
                  explore_budget: float = 0.005, explore_share: float = 0.05, clock=time.perf_counter,
                  sampled_merge: bool = True, switch_cost: bool = False, upper_z: float = 2.0,
-                 promising_budget: float = 2.0):
+                 promising_budget: float = 2.0, skip_idle: bool = True, lower_z: float = 0.0):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes is None:  # never verify more nodes than the largest member would on its own
@@ -251,10 +263,17 @@ class UnionDrafter(Drafter):
         self.paired: dict[tuple[tuple[int, ...], int], list[float]] = {}
         self.state_steps: dict[tuple[int, ...], int] = {}
         self.arm_steps = [0] * len(self.arms)  # how many steps each arm ran (diagnostics)
+        self.plain_steps = 0  # plain steps measured (own or empty drafts), ever
         self.probe_every, self.rate_decay, self.clock = probe_every, rate_decay, clock
         self.probe_margin, self.max_probe_wait, self.select_margin = 0.1, 16 * probe_every, 0.05
         self.min_samples = 3.0  # own steps (decayed count) before a losing probe lengthens the wait
         self.upper_z, self.promising_budget = float(upper_z), float(promising_budget)  # see `_upper_estimate`
+        self.skip_idle = skip_idle  # see `live_arms`
+        self.lower_z = float(lower_z)  # see `_lower_estimate`
+        self._arm_keys: dict = {}  # (arm, state) -> arm_key
+        # expected_tokens per (member, key), valid while `_counts` (bumped whenever a member's
+        # counts or latest tree change) is what it was when computed
+        self._counts, self._expected = 0, {}
         self.draft_seconds: list[list[float] | None] = [None] * len(members)  # decayed [seconds, calls]
         self.warm = [False] * len(members)  # has a step with the member's call been timed?
         self._seen: list[int | None] = [None] * len(members)  # committed length at its last call
@@ -279,9 +298,43 @@ class UnionDrafter(Drafter):
         self._state: tuple[int, ...] = ()
         self._arm, self._pending, self._asked = len(self.arms) - 1, None, set()
 
-    def arm_key(self, arm: int, state: tuple[int, ...]) -> tuple[int, ...]:
-        """The part of context ``state`` an arm's speed is kept under: its own members' keys."""
-        return tuple(state[m] for m in self.arms[arm])
+    def idle_members(self, state: tuple[int, ...]) -> set[int]:
+        """Members whose key in context ``state`` is their :attr:`~Drafter.empty_key` (they would
+        draft nothing: prompt lookup without a match); none with ``skip_idle=False``."""
+        if not self.skip_idle:
+            return set()
+        return {m for m, member in enumerate(self.members) if member.empty_key is not None
+                and state[m] == member.empty_key}
+
+    def live_arms(self, state: tuple[int, ...]) -> list[int]:
+        """The arms worth running in context ``state``: plain steps; each member alone unless idle
+        (:meth:`idle_members`: its step would be a plain step at a higher cost); a merge with at
+        least two members that are not idle (else it is one member's tree, or plain steps, at a
+        merge's cost: with prompt lookup idle, ``eagle3+ngram``'s merge is the head drafting its
+        merged tree, which on the adversarial prompts the union ran as its best arm 14 times in
+        12 generations, at 1.2 tokens a step where plain steps were faster, round 37). Its idle
+        members are not asked in a merged step. With ``skip_idle=False``, every arm (the union
+        until round 36)."""
+        idle = self.idle_members(state)
+        return [a for a, arm in enumerate(self.arms)
+                if not arm or (len(arm) == 1 and arm[0] not in idle) or len(set(arm) - idle) >= 2]
+
+    def arm_key(self, arm: int, state: tuple[int, ...]) -> tuple:
+        """The part of context ``state`` an arm's speed is kept under: its own members' keys, and
+        for a member alone whether each other member that declares an ``empty_key`` is idle
+        (:meth:`idle_members`; not with ``skip_idle=False``). A head alone runs where prompt
+        lookup finds no match, and the merge where it does; a head's acceptance differs between
+        the two (where the output copies its context, the head is right more often too: on
+        MT-Bench and the adversarial prompts, round 37), so its speed with prompt lookup idle is
+        measured there, not borrowed from merged steps elsewhere."""
+        key = self._arm_keys.get((arm, state))
+        if key is None:  # (asked some twenty times a step: kept per (arm, state); states are few)
+            key = tuple(state[m] for m in self.arms[arm])
+            if len(self.arms[arm]) == 1 and self.skip_idle:
+                key += tuple(state[m] == member.empty_key for m, member in enumerate(self.members)
+                             if m not in self.arms[arm] and member.empty_key is not None)
+            self._arm_keys[(arm, state)] = key
+        return key
 
     @property
     def rates(self) -> dict[tuple[int, ...], list[float | None]]:
@@ -320,6 +373,7 @@ class UnionDrafter(Drafter):
                 m.set_tools(tools)
 
     def _record(self, arm: int, state: tuple[int, ...], tokens: int, seconds: float) -> None:
+        self.plain_steps += arm == 0
         key, d = (arm, self.arm_key(arm, state)), self.rate_decay
         old = self.sums.get(key) or [0.0, 0.0]
         self.sums[key] = [d * old[0] + tokens, d * old[1] + seconds]
@@ -357,14 +411,21 @@ class UnionDrafter(Drafter):
         measured = [k in self.sums for k in keys]
         self.state_steps[state] = self.state_steps.get(state, 0) + 1
         self.steps += 1
-        # first try what was never run or priced (see `_modeled_seconds`), and a member alone whose
+        # an arm that a member's key says drafts nothing more than a simpler arm does is not run
+        # here (see `live_arms`): its estimate is left out, so it is never tried, chosen or probed.
+        # First try what was never run or priced (see `_modeled_seconds`), and a member alone whose
         # own key no step has measured yet (few keys per member); the merge, new in this state,
-        # borrows its speed over all states
-        guess = self.estimates(state)
-        unknown = [a for a, r in enumerate(guess)
-                   if r is None or (len(self.arms[a]) == 1 and keys[a] not in self.token_sums)]
+        # borrows its speed over all states; plain steps, where a member is idle, until min_samples
+        # of them are measured (for all states: their modeled price, a merged step's less drafting,
+        # overstates them by the merged tree's verify cost, and the idle member's empty drafts
+        # measured them before `live_arms`; one slow first step must not price them for long)
+        live = self.live_arms(state)
+        guess = [r if a in live else None for a, r in enumerate(self.estimates(state))]
+        unknown = [a for a, r in enumerate(guess) if a in live
+                   and (r is None or (len(self.arms[a]) == 1 and keys[a] not in self.token_sums)
+                        or (a == 0 and self.plain_steps < self.min_samples and len(live) < len(self.arms)))]
         unknown.sort(key=lambda a: -len(self.arms[a]))  # the merge first: its steps measure every member
-        best = self._best(self._with_switching(guess, state, since) if self.switch_cost else guess)
+        best = self._best(self._with_switching(guess, state, since) if self.switch_cost else guess, state)
         probe = False
         if unknown:
             arm = unknown[0]
@@ -373,7 +434,7 @@ class UnionDrafter(Drafter):
             # per (arm, its members' keys): plain steps are probed once for all states, a member
             # per its own key, the merge per state (unmeasured first, then the longest due)
             samples = [self._samples(a, state) for a in range(len(self.arms))]
-            for a in range(len(self.arms)):  # keys seen for the first time: an arm whose borrowed
+            for a in live:  # keys seen for the first time: an arm whose borrowed
                 if a != best and not measured[a] and keys[a] not in self.probe_wait:  # estimate loses
                     wait = self._next_wait(guess, a, self.probe_every, samples[a])  # clearly waits from now on, as if
                     if wait > self.probe_every:  # just probed (else each new state's merge is due at once)
@@ -393,7 +454,7 @@ class UnionDrafter(Drafter):
                 could = [(self._upper_estimate(a, state, since) or 0.0) > fastest for a in range(len(self.arms))]
             few = [(samples[a] < self.min_samples and (self._model_estimate(a, state) or 0.0) > top) or could[a]
                    for a in range(len(self.arms))]
-            due = [a for a in range(len(self.arms)) if a != best
+            due = [a for a in live if a != best
                    and self.steps >= self.last_probe.get(None, 0) + (quick if few[a] else self.probe_every)
                    and self.steps >= self.last_probe.get(keys[a], 0) + (
                        quick if few[a] else self.probe_wait.get(keys[a], self.probe_every)
@@ -411,9 +472,10 @@ class UnionDrafter(Drafter):
         # an exploring step (a probe, a first trial) is priced against the best arm's estimate; every
         # step against each member alone (or plain steps, where faster: a member alone backs off)
         ref = guess[best] if arm != best and guess[best] else None
-        base = None
-        if guess[0] and all(guess[1 + m] for m in range(len(self.members))):
-            base = tuple(max(guess[0], guess[1 + m]) for m in range(len(self.members)))
+        base = None  # (a member whose key says it drafts nothing runs plain steps alone)
+        alone = [guess[0] if 1 + m not in live else guess[1 + m] for m in range(len(self.members))]
+        if guess[0] and all(alone):
+            base = tuple(max(guess[0], r) for r in alone)
         self._pending = (state, arm, start, ctx.tokens.shape[0], 0, probe, False, ref, base)
         self._calls = []
         self.arm_steps[arm] += 1
@@ -561,13 +623,24 @@ class UnionDrafter(Drafter):
         sums = self.second_sums if len(self.arms[arm]) > 1 else self.token_sums
         return (sums.get((arm, self.arm_key(arm, state))) or [0.0, 0.0])[1]
 
-    def _best(self, guess: list[float | None]) -> int:
+    def _best(self, guess: list[float | None], state: tuple[int, ...] | None = None) -> int:
         """The arm to run: the fastest estimate, unless a simpler arm (fewer members: plain, then
-        one member, then the merge) is within ``select_margin`` of it. Estimates are noisy, and the
-        arm that measured luckiest is the one chosen next (a winner's curse); a merge that is not
-        clearly faster than a member alone costs more than it returns."""
-        top = max((r or 0.0) for r in guess)
-        near = [a for a, r in enumerate(guess) if (r or 0.0) >= (1 - self.select_margin) * top]
+        one member, then the merge) is within ``select_margin`` of it, or (with ``lower_z > 0``),
+        where the fastest is a member alone whose tokens rest on at least ``min_samples`` steps in
+        ``state``, at or above its lower estimate (:meth:`_lower_estimate`). Estimates are noisy,
+        and the arm that measured luckiest is the one chosen next (a winner's curse); a merge that
+        is not clearly faster than a member alone costs more than it returns. (On the adversarial
+        prompts an EAGLE-3 head where prompt lookup found no match runs at about plain steps'
+        speed, above it after a lucky probe; the lower bound against plain steps did not change
+        the union's speed there, and cost it at T=0.7 by point estimate, round 37: off by
+        default.)"""
+        top_arm = max(range(len(guess)), key=lambda a: guess[a] or 0.0)
+        top = guess[top_arm] or 0.0
+        bar = (1 - self.select_margin) * top
+        low = self._lower_estimate(top_arm, state) if state is not None else None
+        if low is not None:
+            bar = min(bar, low)
+        near = [a for a, r in enumerate(guess) if (r or 0.0) >= bar]
         return min(near, key=lambda a: (len(self.arms[a]), -(guess[a] or 0.0)))
 
     def estimates(self, state: tuple[int, ...]) -> list[float | None]:
@@ -651,6 +724,23 @@ class UnionDrafter(Drafter):
         side in round 33 against the union without it, no difference was significant on MT-Bench
         (greedy and T=0.7), BFCL or the adversarial prompts (point estimates 0.96x-1.02x;
         docs/benchmarks.md, "Round 33")."""
+        return self._bound_estimate(arm, state, self.upper_z, since)
+
+    def _lower_estimate(self, arm: int, state: tuple[int, ...]) -> float | None:
+        """Tokens/s of a member alone if its tokens per step were ``lower_z`` standard errors
+        below :meth:`_tokens_per_step` (the spread of :meth:`_upper_estimate`); ``None`` for plain
+        steps, the merge, an arm with no steps, or one whose tokens rest on fewer than
+        ``min_samples`` steps. :meth:`_best` runs a member alone rather than a simpler arm (plain
+        steps) only where this beats the simpler arm's estimate."""
+        key = (arm, self.arm_key(arm, state))
+        if self.lower_z <= 0 or (self.token_sums.get(key) or [0.0, 0.0])[1] < self.min_samples:
+            return None
+        return self._bound_estimate(arm, state, -self.lower_z)
+
+    def _bound_estimate(self, arm: int, state: tuple[int, ...], z: float, since: int | None = None) -> float | None:
+        """Tokens/s of a member alone at its tokens per step plus ``z`` standard errors (see
+        :meth:`_upper_estimate`), over its seconds per step plus, given ``since``, what switching
+        to it costs now."""
         if len(self.arms[arm]) != 1:
             return None
         key = (arm, self.arm_key(arm, state))
@@ -665,7 +755,7 @@ class UnionDrafter(Drafter):
         variance = (spread + expected * (expected - 1.0)) / (tokens[1] + 1.0)
         if since is not None:  # what switching to it now costs per step (its catch-up, see `_switch_seconds`)
             seconds += self._switch_seconds(arm, state, since)
-        return (per_step + self.upper_z * (variance / (tokens[1] + 1.0)) ** 0.5) / seconds
+        return max(0.0, per_step + z * (variance / (tokens[1] + 1.0)) ** 0.5) / seconds
 
     def _tokens_per_step(self, arm: int, state: tuple[int, ...]) -> float | None:
         """Measured tokens per step of ``arm`` under its members' keys, with one pseudo-step at
@@ -689,6 +779,9 @@ class UnionDrafter(Drafter):
         by the value model: one plus the sum over its latest tree there of each node's acceptance
         probability (the product of its path's measured rates; siblings are exclusive events, so
         the sum is the expected accepted length). ``None`` before it drafted under that key."""
+        cached = self._expected.get((member, key))
+        if cached is not None and cached[0] == self._counts:
+            return cached[1]
         shape = self.shapes.get((member, key))
         if shape is None:
             return None
@@ -696,6 +789,7 @@ class UnionDrafter(Drafter):
         for parent, depth, rank in shape:
             value.append(value[parent] * self.rate(member, depth, rank))
             total += value[-1]
+        self._expected[(member, key)] = (self._counts, total)
         return total
 
     def _modeled_seconds(self, arm: int, state: tuple[int, ...]) -> list[float] | None:
@@ -738,8 +832,9 @@ class UnionDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> DraftTree:
         self._arm = self._choose_arm(ctx)
         chosen = set(self.arms[self._arm])
-        if len(chosen) > 1:  # a member none of whose depth-1 nodes would pass the value floor is not asked
-            chosen = {m for m in chosen if self._best_first(m) >= self.min_value} or chosen
+        if len(chosen) > 1:  # a member none of whose depth-1 nodes would pass the value floor is not asked,
+            idle = self.idle_members(self._state)  # nor one whose key says it drafts nothing
+            chosen = {m for m in chosen if self._best_first(m) >= self.min_value and m not in idle} or chosen
         self._asked = chosen
         for m, member in enumerate(self.members):
             if m not in chosen:
@@ -769,6 +864,18 @@ class UnionDrafter(Drafter):
             tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
             key, value, seen = {0: ()}, {0: 1.0}, {}
             shape = self.shapes[(m, self._state[m])] = []
+            self._counts += 1
+            if len(chosen) == 1 and not sampled and tree.num_nodes - 1 <= self.max_nodes:
+                # a member alone within the budget: its tree passes through as drafted (below), so
+                # only its shape is needed (no trie of values)
+                depths = [0] * tree.num_nodes
+                for i in range(1, tree.num_nodes):
+                    p = parents[i]
+                    rank = seen.get(p, 0)
+                    seen[p], depths[i] = rank + 1, depths[p] + 1
+                    shape.append((p, depths[i], rank))
+                self.deepest = max(self.deepest, max(depths))
+                continue
             for i in range(1, tree.num_nodes):
                 p = parents[i]
                 rank = seen.get(p, 0)
@@ -853,6 +960,7 @@ class UnionDrafter(Drafter):
             state, arm, start, length, _, probe, _, ref, base = self._pending
             self._pending = (state, arm, start, length, verdict.num_accepted + 1, probe, tree.num_nodes == 1, ref,
                              base)
+        self._counts += 1  # (the asked members' counts change below)
         for key in self.tests:  # only the asked members' counts decay: see `rate`
             if key[0] in self._asked:
                 self.tests[key] *= self.decay
