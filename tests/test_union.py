@@ -951,7 +951,7 @@ def test_a_member_alones_speed_is_kept_apart_where_another_member_is_idle():
     other member that declares an ``empty_key`` is idle: the head's speed where the lookup is
     idle is measured there, not borrowed from merged steps. Plain steps, which the lookup's empty
     drafts no longer measure, are tried ``min_samples`` times where a member is idle. With
-    ``skip_idle=False``, the keys of rounds up to 36."""
+    ``skip_idle=False`` (the default), the union's own members' keys only."""
     clock = _Clock()
     Head = _catching_up_head(clock, per_position=0.0, per_draft=0.3)
     Lookup = _stretch_lookup(clock, lambda ctx: (ctx.tokens.shape[0] // 40) % 2 == 0)
@@ -962,7 +962,7 @@ def test_a_member_alones_speed_is_kept_apart_where_another_member_is_idle():
     reference = decode(table_target(), torch.tensor([1, 2]), None, SamplingConfig(0.0), torch.Generator(), 420,
                        set(), 1000).sequences[0].tolist()
     members = [Head(reference, 6, depth=3, sibling=False), Idle(reference, 6, depth=6, sibling=False)]
-    union = UnionDrafter(members, clock=clock)
+    union = UnionDrafter(members, clock=clock, skip_idle=True)
     # arms: 0 plain, 1 head, 2 lookup, 3 merge; states: (head key, lookup key)
     assert union.arm_key(1, (0, 0)) == (0, True) and union.arm_key(1, (0, 4)) == (0, False)
     assert union.arm_key(2, (0, 0)) == (0,) and union.arm_key(3, (0, 4)) == (0, 4) and union.arm_key(0, (0, 4)) == ()

@@ -149,9 +149,9 @@ class Drafter(ABC):
     #: work twice (the benchmark refuses ``--repeats`` for such drafters).
     learns_from_outputs: bool = False
     #: The :meth:`context_key` under which :meth:`propose` drafts nothing, whatever else holds
-    #: (prompt lookup: 0, no n-gram matched); ``None``: no key promises that. A union does not run
-    #: a merge with such a member in such a state, nor the member alone: both would be another arm
-    #: (the other members, or plain steps) at a higher cost.
+    #: (prompt lookup: 0, no n-gram matched); ``None``: no key promises that. A union with
+    #: ``skip_idle=True`` does not run a merge with such a member in such a state, nor the member
+    #: alone: both would be another arm (the other members, or plain steps) at a higher cost.
     empty_key: int | None = None
 
     def __init__(self, signature: TargetSignature | None = None):
