@@ -70,6 +70,11 @@ def _rate(sums: list[float]) -> float:
     return sums[0] / sums[1] if sums[1] > 0 else 0.0
 
 
+def _ratio(sums: list[float], ref: list[float]) -> float:
+    """Tokens/s of ``sums`` over those of ``ref`` (0.0 when ``ref`` has none)."""
+    return _rate(sums) / _rate(ref) if _rate(ref) > 0 else 0.0
+
+
 def t_interval(values: list[float]) -> list[float] | None:
     """Two-sided 95% Student-t interval of the mean of ``values`` (``None`` for fewer than 2)."""
     n = len(values)
@@ -194,9 +199,9 @@ def main(argv=None) -> None:
         ref_rate = after[ref][0] / after[ref][1] if after[ref][1] > 0 else 0.0
         row = {"method": m, "seconds": seconds[m], "reference_over_method": seconds[ref] / seconds[m],
                "tokens_per_s_after_first": rate, "after_first_over_reference": rate / ref_rate if ref_rate else 0.0,
-               "after_first_by_pass": [_rate(p) / _rate(q) for p, q in zip(passes[m], passes[ref])]}
+               "after_first_by_pass": [_ratio(p, q) for p, q in zip(passes[m], passes[ref])]}
         if args.repeats > 1:  # after the first pass over the prompts (a union has seen every kind of text)
-            row["later_passes_over_reference"] = (_rate(_pooled(passes[m][1:])) / _rate(_pooled(passes[ref][1:])))
+            row["later_passes_over_reference"] = _ratio(_pooled(passes[m][1:]), _pooled(passes[ref][1:]))
         if m in events:
             union, ev = drafters[m], events[m]
             row |= {"exploring_steps": len(ev), "probes": sum(e["probe"] for e in ev),

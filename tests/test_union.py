@@ -905,7 +905,7 @@ def test_arms_that_an_idle_member_makes_redundant_are_not_run():
     clock = _Clock()
     Head = _catching_up_head(clock, per_position=0.0, per_draft=0.2)
     Lookup = _stretch_lookup(clock, lambda ctx: (ctx.tokens.shape[0] // 40) % 2 == 0)
-    asked = []
+    asked, skipped = [], []
 
     class Idle(Lookup):
         empty_key = 0
@@ -913,6 +913,9 @@ def test_arms_that_an_idle_member_makes_redundant_are_not_run():
         def propose(self, ctx):
             asked.append(self.context_key(ctx))
             return super().propose(ctx)
+
+        def skip(self, ctx):
+            skipped.append(self.context_key(ctx))
 
     reference = decode(table_target(), torch.tensor([1, 2]), None, SamplingConfig(0.0), torch.Generator(), 420,
                        set(), 1000).sequences[0].tolist()
@@ -928,7 +931,7 @@ def test_arms_that_an_idle_member_makes_redundant_are_not_run():
             return arm
 
         union._choose_arm = spy
-        asked.clear()
+        asked.clear(), skipped.clear()
         _plain_race_speed(clock, union, reference, 400)
         out = {0: set(), 4: set()}
         for key, arm in steps:
@@ -937,7 +940,7 @@ def test_arms_that_an_idle_member_makes_redundant_are_not_run():
 
     arms = arms_by_key(True)  # arms: 0 plain, 1 head, 2 lookup, 3 merge
     assert arms[0] and not arms[0] & {2, 3}, arms
-    assert 0 not in asked and asked, asked
+    assert 0 not in asked and asked and 0 in skipped, (asked, skipped)
     assert arms[4] & {2, 3}, arms
     control = arms_by_key(False)
     assert control[0] & {2, 3}, control  # the negative control runs them where the lookup is idle

@@ -150,8 +150,9 @@ class Drafter(ABC):
     learns_from_outputs: bool = False
     #: The :meth:`context_key` under which :meth:`propose` drafts nothing, whatever else holds
     #: (prompt lookup: 0, no n-gram matched); ``None``: no key promises that. A union with
-    #: ``skip_idle=True`` does not run a merge with such a member in such a state, nor the member
-    #: alone: both would be another arm (the other members, or plain steps) at a higher cost.
+    #: ``skip_idle=True`` does not run such a member alone in such a state (a plain step at a
+    #: drafter's cost), nor a merge left with fewer than two drafting members, and does not ask it
+    #: for a tree there.
     empty_key: int | None = None
 
     def __init__(self, signature: TargetSignature | None = None):
