@@ -176,8 +176,8 @@ def main(argv=None) -> None:
     for m in events:
         _watch(drafters[m], events[m], generation)
     seconds = dict.fromkeys(args.methods, 0.0)
-    after = {m: [0.0, 0.0] for m in args.methods}  # [tokens, seconds] after each generation's first step
-    passes = {m: [[0.0, 0.0] for _ in range(args.repeats)] for m in args.methods}  # the same, per pass
+    # [tokens, seconds] after each generation's first step, per method and pass over the prompts
+    passes = {m: [[0.0, 0.0] for _ in range(args.repeats)] for m in args.methods}
     names = list(args.methods)
     for r in range(args.repeats):
         for q in questions:
@@ -189,16 +189,14 @@ def main(argv=None) -> None:
                 out = selfspec.generate(model, ids, drafter=drafters[m], max_new_tokens=args.max_new_tokens)
                 seconds[m] += time.perf_counter() - start
                 s = out.stats
-                for sums in (after[m], passes[m][r]):
-                    sums[0] += s.new_tokens - s.first_step_tokens
-                    sums[1] += s.wall_time_s - s.first_token_s
+                passes[m][r][0] += s.new_tokens - s.first_step_tokens
+                passes[m][r][1] += s.wall_time_s - s.first_token_s
     ref = args.methods[0]
     rows = []
     for m in args.methods:
-        rate = after[m][0] / after[m][1] if after[m][1] > 0 else 0.0
-        ref_rate = after[ref][0] / after[ref][1] if after[ref][1] > 0 else 0.0
+        after, ref_after = _pooled(passes[m]), _pooled(passes[ref])
         row = {"method": m, "seconds": seconds[m], "reference_over_method": seconds[ref] / seconds[m],
-               "tokens_per_s_after_first": rate, "after_first_over_reference": rate / ref_rate if ref_rate else 0.0,
+               "tokens_per_s_after_first": _rate(after), "after_first_over_reference": _ratio(after, ref_after),
                "after_first_by_pass": [_ratio(p, q) for p, q in zip(passes[m], passes[ref])]}
         if args.repeats > 1:  # after the first pass over the prompts (a union has seen every kind of text)
             row["later_passes_over_reference"] = _ratio(_pooled(passes[m][1:]), _pooled(passes[ref][1:]))

@@ -895,6 +895,19 @@ def test_catch_up_costs_and_state_stays_are_measured_from_the_steps():
     assert max(steps / runs for steps, runs in union.stay.values()) >= 3, union.stay
 
 
+def _watch_arms(union: UnionDrafter) -> list[tuple[int, int]]:
+    """Record (the second member's context key, the arm chosen) of every step ``union`` decides."""
+    steps, choose = [], union._choose_arm
+
+    def spy(ctx):
+        arm = choose(ctx)
+        steps.append((union._state[1], arm))
+        return arm
+
+    union._choose_arm = spy
+    return steps
+
+
 def test_arms_that_an_idle_member_makes_redundant_are_not_run():
     """A lookup that drafts nothing where it finds no match and says so (its ``context_key`` is
     then its :attr:`~selfspec.drafters.base.Drafter.empty_key`): there, the merge is the head's
@@ -923,14 +936,7 @@ def test_arms_that_an_idle_member_makes_redundant_are_not_run():
     def arms_by_key(skip_idle: bool) -> dict[int, set[int]]:
         head = Head(reference, 6, depth=2, sibling=False, corrupt=lambda pos, tok: tok if pos % 3 else (tok + 1) % 6)
         union = UnionDrafter([head, Idle(reference, 6, depth=6, sibling=False)], clock=clock, skip_idle=skip_idle)
-        steps, choose = [], union._choose_arm
-
-        def spy(ctx):
-            arm = choose(ctx)
-            steps.append((union._state[1], arm))
-            return arm
-
-        union._choose_arm = spy
+        steps = _watch_arms(union)
         asked.clear(), skipped.clear()
         _plain_race_speed(clock, union, reference, 400)
         out = {0: set(), 4: set()}
@@ -944,7 +950,6 @@ def test_arms_that_an_idle_member_makes_redundant_are_not_run():
     assert arms[4] & {2, 3}, arms
     control = arms_by_key(False)
     assert control[0] & {2, 3}, control  # the negative control runs them where the lookup is idle
-
 
 
 def test_a_member_alones_speed_is_kept_apart_where_another_member_is_idle():
@@ -971,14 +976,7 @@ def test_a_member_alones_speed_is_kept_apart_where_another_member_is_idle():
     assert union.arm_key(2, (0, 0)) == (0,) and union.arm_key(3, (0, 4)) == (0, 4) and union.arm_key(0, (0, 4)) == ()
     old = UnionDrafter(members, clock=clock, skip_idle=False)
     assert old.arm_key(1, (0, 0)) == old.arm_key(1, (0, 4)) == (0,)
-    steps, choose = [], union._choose_arm
-
-    def spy(ctx):
-        arm = choose(ctx)
-        steps.append((union._state[1], arm))
-        return arm
-
-    union._choose_arm = spy
+    steps = _watch_arms(union)
     _plain_race_speed(clock, union, reference, 200)
     idle_plain = [i for i, (key, arm) in enumerate(steps) if key == 0 and arm == 0]
     assert len(idle_plain) >= union.min_samples and union.plain_steps >= union.min_samples
