@@ -168,6 +168,40 @@ def test_skipped_steps_are_caught_up_at_the_next_proposal():
         prev = c
 
 
+def test_first_guess_is_the_greedy_trees_first_child_after_catching_up():
+    """``first_guess`` (a union's shadow guess) names the token the head's greedy tree ranks first
+    at depth 1 (also left in ``last_guess`` by ``propose``), after catching up on skipped steps
+    like ``sync``: the head's cache is then current and its next tree is the one a head that saw
+    every step drafts. Negative control: the second-ranked child is another token."""
+    from selfspec.drafters.base import DraftContext
+    from selfspec.sampling import SamplingConfig
+
+    model = tiny_model("llama", layers=5)
+    every = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6, width=2, branch=2), scale=0.5)
+    guessing = build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6, width=2, branch=2)
+    guessing.head.load_state_dict(every.head.state_dict())
+    assert every.guesses_first
+    seq = torch.tensor([3, 9, 27, 3, 9, 27, 3, 9, 5, 11, 4, 8, 15, 16, 23, 42]) % model.config.vocab_size
+    taps = TreeTarget(model, taps=every.taps).prefill(seq).taps
+    cuts, prev = [4, 7, 8, 12], 0
+    for i, c in enumerate(cuts):
+        ctx = DraftContext(seq[: c + 1], None, 3, SamplingConfig(0.0), torch.Generator(), features=taps[prev:c])
+        tree = every.propose(ctx)
+        first = [j for j in range(1, tree.num_nodes) if int(tree.parents[j]) == 0]
+        assert every.last_guess == int(tree.tokens[first[0]])
+        if i < 2:
+            guessing.skip(ctx)
+        else:
+            assert guessing.first_guess(ctx) == every.last_guess
+            assert guessing.cached == c and not guessing._deferred
+            torch.testing.assert_close(guessing.k, every.k)
+            again = guessing.propose(ctx)
+            assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
+        if len(first) > 1:
+            assert int(tree.tokens[first[1]]) != every.last_guess
+        prev = c
+
+
 # ---------------------------------------------------------------- greedy identity
 @pytest.fixture(scope="module")
 def trained_llama(tmp_path_factory):
@@ -200,12 +234,30 @@ def test_greedy_identity_every_family(family):
     assert sum(out.stats.accepted_per_depth) > 0
 
 
-def test_union_with_ngram_keeps_identity(trained_llama):
+@pytest.mark.parametrize("shadow", [False, True])
+def test_union_with_ngram_keeps_identity(trained_llama, shadow):
+    """Greedy identity of ``eagle3+ngram``; with shadow guesses (here forced: every other step runs
+    prompt lookup alone while the head catches up and guesses its first token, no tree; the head
+    drafts again in the steps between) over several generations."""
+    from selfspec.drafters import UnionDrafter
+
+    class Shadowing(UnionDrafter):
+        def _choose_arm(self, ctx):
+            arm = super()._choose_arm(ctx)
+            if self.shadow and self.steps % 2 == 0:
+                arm, self._shadow_member = 2, 0  # (arms: plain, head, lookup, merge)
+                self._pending = (self._pending[0], arm) + self._pending[2:]
+            return arm
+
     model, drafter = trained_llama
-    union = selfspec.build_drafter(model, "union", members=[drafter, build_drafter(model, "ngram", min_ngram=1)])
+    union = Shadowing([drafter, build_drafter(model, "ngram", min_ngram=1)], shadow=shadow)
     reference = model.generate(PROMPT, max_new_tokens=30, do_sample=False, pad_token_id=0)
-    out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=30)
-    assert torch.equal(out.sequences, reference)
+    for _ in range(3):
+        out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=30)
+        assert torch.equal(out.sequences, reference)
+    assert (union.shadows > 0) == shadow and (union.arm_steps[1] + union.arm_steps[3] > 0), union.arm_steps
+    if shadow:
+        assert sum(n for _, n in union.guess_sums.values()) > 0 and union.guess_pooled[0][1] > 0
 
 
 # ---------------------------------------------------------------- distribution equality

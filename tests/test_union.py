@@ -1004,3 +1004,108 @@ def test_a_member_must_beat_plain_steps_at_its_lower_estimate_with_lower_z(lower
 
     assert head_at(1.5) == (0 if lower_z > 0 else 1)
     assert head_at(2.5) == 1
+
+
+def _guessing_head(clock, matching, per_draft: float, per_guess: float):
+    """A head-like drafter class (:func:`_catching_up_head`) right where ``matching(ctx)`` and
+    wrong elsewhere, that names its first token for ``per_guess`` on ``clock`` (``first_guess``)."""
+    Head = _catching_up_head(clock, per_position=0.0, per_draft=per_draft)
+
+    class Guessing(Head):
+        guesses_first = True
+
+        def __init__(self, reference, vocab, **kw):
+            super().__init__(reference, vocab, corrupt=lambda pos, tok: tok if self._right else (tok + 1) % vocab, **kw)
+            self._right, self.guessed = True, 0
+
+        def propose(self, ctx):
+            self._right = matching(ctx)
+            tree = super().propose(ctx)
+            self.last_guess = int(tree.tokens[1]) if tree.num_nodes > 1 else None
+            return tree
+
+        def first_guess(self, ctx):
+            self.sync(ctx)
+            clock.spend(per_guess)
+            self._right, self.guessed = matching(ctx), self.guessed + 1
+            pos = ctx.tokens.shape[0]
+            return self.corrupt(pos, self.reference[pos]) if pos < len(self.reference) else None
+
+    return Guessing
+
+
+def test_shadow_guesses_take_the_place_of_probes_of_a_head_where_it_is_wrong():
+    """A head right only where the lookup copies (as on the adversarial prompts: there both are
+    right, the lookup cheaper), wrong where the lookup finds nothing, costing 0.3 s a step on a
+    1 s pass. Its merged steps make its value model optimistic, so a union probes it alone where
+    the lookup is idle. With ``shadow=True`` such probes are shadow guesses (0.02 s; the best
+    arm's step runs) while fewer than ``min_samples`` guesses were tested there or its guesses
+    say it cannot win: far fewer probes of the head alone run there, and the union is at least
+    as fast. Output exact. Negative control: ``shadow=False`` probes it there and guesses
+    nothing."""
+    clock = _Clock()
+
+    def matching(ctx):
+        return (ctx.tokens.shape[0] // 40) % 2 == 0
+
+    Head = _guessing_head(clock, matching, per_draft=0.3, per_guess=0.02)
+    Lookup = _stretch_lookup(clock, matching)
+    reference = decode(table_target(), torch.tensor([1, 2]), None, SamplingConfig(0.0), torch.Generator(), 820,
+                       set(), 1000).sequences[0].tolist()
+    for seed in range(3):
+        runs = {}
+        for shadow in (True, False):
+            clock.gen.manual_seed(seed)
+            head = Head(reference, 6, depth=3, sibling=False)
+            union = UnionDrafter([head, Lookup(reference, 6, depth=6, sibling=False)], clock=clock, shadow=shadow)
+            probes, choose = [], union._choose_arm
+
+            def spy(ctx, union=union, probes=probes, choose=choose):
+                arm = choose(ctx)
+                probes.append(union._state[1] == 0 and arm == 1 and union._pending[5])
+                return arm
+
+            union._choose_arm = spy
+            speed = _plain_race_speed(clock, union, reference, 800)  # (asserts the output is exact)
+            runs[shadow] = (sum(probes), head.guessed, union.shadows, speed)
+        probed, guessed, shadows, speed = runs[True]
+        assert shadows == guessed >= union.min_samples and probed <= runs[False][0] // 3, runs
+        assert speed >= 0.99 * runs[False][3], runs
+        assert runs[False][0] > 0 and runs[False][1] == runs[False][2] == 0, runs
+
+
+def test_shadow_guesses_scale_a_members_expected_tokens_down_and_never_up_for_exploring_only():
+    """``_guessed_tokens``: with ``shadow=True`` a guessing member's expected tokens beyond the
+    first in a state scale by how often its first guess is right there against over its own
+    steps; right more often than over its own steps, not above the value model. This decides
+    its probes (``_model_estimate``) only: its tokens per step, which also price the merge, keep
+    the value model's pseudo-step. Controls: no guesses in the state, ``shadow=False``, or a
+    member that cannot guess leave the value model's expectation."""
+
+    class Guessing(OracleDrafter):
+        guesses_first = True
+
+    def union_with(shadow: bool, first) -> UnionDrafter:
+        union = UnionDrafter([first([0] * 10, 6, depth=2), OracleDrafter([0] * 10, 6, depth=2)], shadow=shadow)
+        union.shapes[(0, 0)] = [(0, 1, 0), (1, 2, 0)]  # its latest tree: a chain of two
+        union.hits[(0, 1, 0)], union.tests[(0, 1, 0)] = 8.0, 10.0
+        union.guess_pooled[0] = [5.0, 10.0]  # right about half the time on its own steps
+        union.token_sums[(1, (0,))] = [3.0, 2.0]  # its own steps: 1.5 tokens each
+        union.second_sums[(1, (0,))] = [1.0, 2.0]  # 0.5 s a step
+        return union
+
+    state = (0, 0)
+    union = union_with(True, Guessing)
+    full = union.expected_tokens(0, 0)
+    per_step = union._tokens_per_step(1, state)
+    assert union._guessed_tokens(0, state) == full  # nothing guessed here yet
+    union.guess_sums[(0, state)] = [0.0, 4.0]  # wrong four times here
+    low = union._guessed_tokens(0, state)
+    assert 1.0 < low < 1.0 + 0.3 * (full - 1.0)
+    assert union._model_estimate(1, state) == pytest.approx(low / 0.5)  # what decides its probes
+    assert union._tokens_per_step(1, state) == per_step == (3.0 + full) / 3.0  # not what it runs by
+    union.guess_sums[(0, state)] = [4.0, 4.0]  # right every time here
+    assert union._guessed_tokens(0, state) == full
+    for control in (union_with(False, Guessing), union_with(True, OracleDrafter)):
+        control.guess_sums[(0, state)] = [0.0, 4.0]
+        assert control._guessed_tokens(0, state) == full

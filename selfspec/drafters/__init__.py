@@ -187,13 +187,18 @@ def drafter_from_spec(model, spec: str, target: str | None = None, tokenizer=Non
 
 def _union(model, specs: list[str], target, tokenizer, options: dict) -> UnionDrafter:
     """The union of the drafters of ``specs`` with :class:`UnionDrafter` ``options``."""
+    _check_union_options(options)
+    return UnionDrafter([union_member(drafter_from_spec(model, s, target, tokenizer)) for s in specs], **options)
+
+
+def _check_union_options(options: dict) -> None:
+    """Refuse options that :class:`UnionDrafter` does not take (``ValueError``, naming the known)."""
     import inspect
 
     known = set(inspect.signature(UnionDrafter.__init__).parameters) - {"self", "members", "clock"}
     unknown = set(options) - known
     if unknown:
         raise ValueError(f"unknown union options {sorted(unknown)}; known: {sorted(known)}")
-    return UnionDrafter([union_member(drafter_from_spec(model, s, target, tokenizer)) for s in specs], **options)
 
 
 def union_member(drafter: Drafter) -> Drafter:
@@ -269,10 +274,12 @@ def _build_tools(model, tokenizer=None, **options) -> ToolCallDrafter:
     return ToolCallDrafter(ToolDraftConfig(**options), tokenizer, TargetSignature.of(model))
 
 
-def _build_union(model, members: list[Drafter], max_nodes: int | None = None, min_value: float = 0.05) -> UnionDrafter:
+def _build_union(model, members: list[Drafter], **options) -> UnionDrafter:
     """The union of ``members``, each as :func:`union_member` (a checkpoint's tree calibrated
-    inside unions replaces its own: the union may hold new member objects)."""
-    drafter = UnionDrafter([union_member(m) for m in members], max_nodes, min_value)
+    inside unions replaces its own: the union may hold new member objects), with
+    :class:`UnionDrafter` ``options``."""
+    _check_union_options(options)
+    drafter = UnionDrafter([union_member(m) for m in members], **options)
     drafter.check_target(model)
     return drafter
 

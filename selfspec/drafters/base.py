@@ -154,6 +154,14 @@ class Drafter(ABC):
     #: drafter's cost), nor a merge left with fewer than two drafting members, and does not ask it
     #: for a tree there.
     empty_key: int | None = None
+    #: True when :meth:`first_guess` names, at a small part of a step's drafting cost, the token
+    #: this drafter would rank first at depth 1 (an EAGLE-3 head: its catch-up and one draft LM
+    #: head, no tree): a union with ``shadow=True`` then measures where the drafter's first guess
+    #: is right without running a step of it (its *shadow guesses*).
+    guesses_first: bool = False
+    #: The token :meth:`propose` ranked first at depth 1 in its latest call (drafters with
+    #: ``guesses_first``; ``None`` when it drafted nothing).
+    last_guess: int | None = None
 
     def __init__(self, signature: TargetSignature | None = None):
         self.signature = signature
@@ -231,6 +239,13 @@ class Drafter(ABC):
         """Called instead of :meth:`propose` when a caller (a union) does not need this drafter's
         tree this step: a drafter that must see every step (e.g. the taps in ``ctx.features``)
         catches up here; default does nothing."""
+
+    def first_guess(self, ctx: DraftContext) -> int | None:
+        """The token this drafter would rank first at depth 1 after ``ctx.root_token`` (its rank-0
+        child in a greedy tree), without drafting a tree; ``None`` when it would draft nothing.
+        Brings the drafter's state up to ``ctx`` like :meth:`sync` (the caller must not also
+        :meth:`skip` this step). Only for drafters with :attr:`guesses_first`."""
+        raise NotImplementedError(f"{self.kind} drafters do not guess their first token apart from a tree")
 
     def sync(self, ctx: DraftContext) -> None:
         """Bring this drafter's own state (a draft KV cache) up to the committed tokens of ``ctx``

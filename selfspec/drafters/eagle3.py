@@ -91,6 +91,7 @@ class Eagle3Drafter(Drafter):
     """Drafts dynamic trees with an :class:`Eagle3Head` (see the module docstring)."""
 
     kind = "eagle3"
+    guesses_first = True  # its catch-up and one draft LM head name its first token (first_guess)
 
     def __init__(self, model, cfg: Eagle3Config, head: Eagle3Head, signature: TargetSignature | None = None):
         super().__init__(signature or TargetSignature.of(model))
@@ -223,7 +224,18 @@ class Eagle3Drafter(Drafter):
         self.catch_up(ctx.tokens, ctx.features)
 
     @torch.no_grad()
+    def first_guess(self, ctx: DraftContext) -> int | None:
+        """The draft vocabulary's most likely token after the root by the head (its greedy tree's
+        rank-0 depth-1 child), after catching up as :meth:`sync` does: one draft LM head over the
+        last committed pair's output, no draft layer call, no tree."""
+        root_out = self.catch_up(ctx.tokens, ctx.features)
+        if root_out is None:
+            return None
+        return int(self._draft_ids[int(self.run_head.logits(root_out)[0].argmax())])
+
+    @torch.no_grad()
     def propose(self, ctx: DraftContext) -> DraftTree:
+        self.last_guess = None
         root_out = self.catch_up(ctx.tokens, ctx.features)
         if root_out is None or ctx.max_depth < 1:
             return DraftTree.root_only(ctx.root_token)
@@ -264,6 +276,8 @@ class Eagle3Drafter(Drafter):
         for depth in range(1, cap + 1):
             logp = head.logits(outs).float().log_softmax(-1)  # [f, V_d]
             top = logp.topk(min(cfg.branch, logp.shape[-1]), dim=-1)
+            if depth == 1:
+                self.last_guess = int(self._draft_ids[int(top.indices[0, 0])])
             cand = torch.tensor([score[c] for c in frontier])[:, None] + top.values.cpu()  # [f, b]
             first, row_of = len(parent), {}
             for i, c in enumerate(frontier):
@@ -300,6 +314,8 @@ class Eagle3Drafter(Drafter):
             logits = head.logits(outs).float()  # [f, V_d]
             conf = logits.softmax(-1)
             top = conf.topk(min(cfg.branch, conf.shape[-1]), dim=-1)
+            if depth == 1:  # (the most likely first token, whatever the draws)
+                self.last_guess = int(self._draft_ids[int(top.indices[0, 0])])
             room = min(cfg.width, cfg.max_nodes + 1 - len(builder))
             chosen = pick_slots(torch.tensor([scores[n] for n in level]), top.values.cpu(), room, cfg.min_score)
             if not chosen:

@@ -145,6 +145,22 @@ tokens) is kept as a decayed sum, and no probe runs while it exceeds the explora
 decay horizon at that step's pace). Nor does a probe run when fewer tokens are
 left in the generation than the deepest draft a member made: its step would be cut short, cost as
 much, and price its arm by a truncated draft.
+
+*Shadow guesses* (``shadow=True``, off by default) make exploring a member that can name its first
+token cheaply (:attr:`~selfspec.drafters.base.Drafter.guesses_first`: an EAGLE-3 head, by its
+catch-up and one draft LM head, no draft layer call, no tree, nothing verified) cost a fraction of
+a probe. A probe of such a member alone is a shadow instead while fewer than ``min_samples`` of its
+first guesses were tested in the context state, or while its value model, with those guesses,
+says it cannot beat the best arm there: the best arm runs, the member catches up and guesses, and
+the step's first new token tests the guess (the member's own steps test their rank-0 depth-1 child
+too). For that decision only, the member's expected tokens beyond the first in a state are scaled
+by how often its first guess is right there against over its own steps, never up
+(:meth:`UnionDrafter._guessed_tokens`); the estimates the union runs its arms by are unchanged
+(scaled into them, the guesses priced the merge too and the union ran the head less where it
+paid). The tree is never changed by a guess, so exactness is untouched. On the adversarial
+prompts (round 38) a head step where prompt lookup finds no match cost 12-20 ms more than a plain
+step (33-41 ms); a shadow guess 2-7 ms, mostly the catch-up over the positions the head skipped
+(2.2 ms after 7, 7.2 ms after 243), which a probe pays on top.
 """
 
 from __future__ import annotations
@@ -206,6 +222,13 @@ class UnionDrafter(Drafter):
             :meth:`_best`); any value <= 0 turns this off. Default 0 (off): measured in round 37
             with ``lower_z=1`` (and ``skip_idle=True``) against the union without either, level on
             the adversarial prompts, MT-Bench greedy and BFCL, 0.95x at T=0.7 (CI 0.87-1.03).
+        shadow: a probe of a member alone that can name its first token cheaply
+            (:attr:`~Drafter.guesses_first`, an EAGLE-3 head) is a *shadow guess* while fewer than
+            ``min_samples`` of its first guesses were tested in the context state or its value
+            model says it cannot beat the best arm there: the best arm runs and the member only
+            guesses; how often its first guess is right in the state scales what its value model
+            expects of it there, for that decision only (:meth:`_guessed_tokens`; see the module
+            docstring). Default ``False``.
     """
 
     kind = "union"
@@ -215,7 +238,8 @@ class UnionDrafter(Drafter):
                  decay: float = 0.98, probe_every: int = 16, rate_decay: float = 0.9,
                  explore_budget: float = 0.005, explore_share: float = 0.05, clock=time.perf_counter,
                  sampled_merge: bool = True, switch_cost: bool = False, upper_z: float = 2.0,
-                 promising_budget: float = 2.0, skip_idle: bool = False, lower_z: float = 0.0):
+                 promising_budget: float = 2.0, skip_idle: bool = False, lower_z: float = 0.0,
+                 shadow: bool = False):
         if not members:
             raise ValueError("a union drafter needs at least one member")
         if max_nodes is None:  # never verify more nodes than the largest member would on its own
@@ -275,6 +299,17 @@ class UnionDrafter(Drafter):
         self.upper_z, self.promising_budget = float(upper_z), float(promising_budget)  # see `_upper_estimate`
         self.skip_idle = skip_idle  # see `live_arms`
         self.lower_z = float(lower_z)  # see `_lower_estimate`
+        # shadow guesses (see `_guessed_tokens`): per (member, context state) decayed [hits, tests] of the
+        # member's first guess, from shadows and its own steps; per member the same over its own
+        # steps only (decayed like its acceptance counts); this step's guesses (member -> (token,
+        # from a step of its own)); the member to shadow this step and what the shadow cost
+        self.shadow = shadow
+        self.guess_sums: dict[tuple[int, tuple[int, ...]], list[float]] = {}
+        self.guess_pooled: list[list[float]] = [[0.0, 0.0] for _ in members]
+        self._guesses: dict[int, tuple[int, bool]] = {}
+        self._shadow_member: int | None = None
+        self._shadow_seconds = 0.0
+        self.shadows = 0  # shadow guesses taken (diagnostics)
         self._arm_keys: dict = {}  # (arm, state) -> arm_key
         # expected_tokens per (member, key), valid while `_counts` (bumped whenever a member's
         # counts or latest tree change) is what it was when computed
@@ -398,7 +433,9 @@ class UnionDrafter(Drafter):
             now = self.clock()
             if ctx.tokens.shape[0] == length + tokens and now > start:  # nothing ran in between
                 seconds, real = self._charge_calls(now - start, tokens)
+                seconds -= self._shadow_seconds  # a shadow guess is exploration, not the arm's cost
                 self._explore(real, tokens, ref, base)
+                self.regret[0] += self._shadow_seconds
                 self._record(arm, state, tokens, seconds)
                 if empty and arm != 0:  # an empty draft is a plain step: it measures the plain arm too
                     self._record(0, state, tokens, seconds)
@@ -407,6 +444,7 @@ class UnionDrafter(Drafter):
                     key = (arm, self.arm_key(arm, state))
                     self.probe_wait[key] = self._next_wait(guess, arm, self.probe_wait.get(key, self.probe_every),
                                                            (self.second_sums.get(key) or [0.0, 0.0])[1])
+        self._shadow_seconds, self._shadow_member = 0.0, None
         start = self.clock()  # the state's own cost counts towards the step it decides
         state = self._state = tuple(m.context_key(ctx) for m in self.members)
         if state != self._run[0]:
@@ -474,6 +512,13 @@ class UnionDrafter(Drafter):
             arm, probe = (due[0], True) if due else (best, False)
             if probe:
                 self.last_probe[keys[arm]] = self.last_probe[None] = self.steps
+                if self.shadow and len(self.arms[arm]) == 1 and self.members[self.arms[arm][0]].guesses_first and (
+                        self._guess_tests(self.arms[arm][0], state) < self.min_samples
+                        or (self._model_estimate(arm, state) or 0.0) < top):
+                    # a member alone that can name its first guess cheaply is shadowed (see
+                    # `_guessed_tokens`: the best arm runs, the member only guesses) until its guesses here
+                    # say that it could be the best
+                    self._shadow_member, arm, probe = self.arms[arm][0], best, False
         # an exploring step (a probe, a first trial) is priced against the best arm's estimate; every
         # step against each member alone (or plain steps, where faster: a member alone backs off)
         ref = guess[best] if arm != best and guess[best] else None
@@ -690,14 +735,15 @@ class UnionDrafter(Drafter):
 
     def _model_estimate(self, arm: int, state: tuple[int, ...]) -> float | None:
         """Tokens/s of a member alone by its value model alone (:meth:`expected_tokens` over its
-        seconds per step); ``None`` for plain steps and the merge. While an arm's own tokens rest on
+        seconds per step; with shadow guesses :meth:`_guessed_tokens`); ``None`` for plain steps
+        and the merge. While an arm's own tokens rest on
         few steps, this says whether it could still be the best: the model pools every node the
         member had tested, over all keys, so a member that is never right is not explored again in
         each new key."""
         if len(self.arms[arm]) != 1:
             return None
         m = self.arms[arm][0]
-        expected, seconds = self.expected_tokens(m, state[m]), self._step_seconds(arm, state)
+        expected, seconds = self._guessed_tokens(m, state), self._step_seconds(arm, state)
         return None if expected is None or seconds is None else expected / seconds
 
     def _count_tokens(self, key: tuple[int, tuple[int, ...]], tokens: float) -> None:
@@ -779,6 +825,36 @@ class UnionDrafter(Drafter):
             return tokens[0] / tokens[1]
         return (tokens[0] + prior) / (tokens[1] + 1.0)
 
+    def _guess_tests(self, member: int, state: tuple[int, ...]) -> float:
+        """Decayed count of ``member``'s first guesses tested in context ``state``."""
+        return (self.guess_sums.get((member, state)) or [0.0, 0.0])[1]
+
+    def _guessed_tokens(self, member: int, state: tuple[int, ...]) -> float | None:
+        """What the value model expects a step of ``member`` alone to emit in context ``state``
+        (:meth:`expected_tokens` under its key); with ``shadow=True``, for a member that
+        :attr:`~Drafter.guesses_first` and whose first guesses were tested in this state, its
+        tokens beyond the first scaled by how often its first guess is right here against over
+        its own steps, ``1 + (E - 1) * min(1, p_state / p_own)`` (``p_own`` with the prior of
+        :meth:`rate`, ``p_state`` with one pseudo-guess at ``p_own``; never up).
+
+        This decides exploration only (:meth:`_model_estimate`: whether the member alone is
+        probed or shadowed, see the module docstring), never the estimates the union runs its
+        arms by: scaled into a member's tokens per step it also priced the merge (its paired gain
+        times the member's tokens), and the union ran the head less where it paid (round 38,
+        MT-Bench and BFCL). The state is the tuple of all members' keys: a head's acceptance
+        where prompt lookup finds no match is not its acceptance where the output copies its
+        context (round 37)."""
+        expected = self.expected_tokens(member, state[member])
+        if expected is None or not self.shadow or not self.members[member].guesses_first:
+            return expected
+        here = self.guess_sums.get((member, state))
+        if here is None or here[1] <= 0:
+            return expected
+        own = self.guess_pooled[member]
+        p_own = (own[0] + 1.0) / (own[1] + 1.5)  # (the prior of `rate`)
+        p_here = (here[0] + p_own) / (here[1] + 1.0)
+        return 1.0 + (expected - 1.0) * min(1.0, p_here / p_own)
+
     def expected_tokens(self, member: int, key: int) -> float | None:
         """Tokens a step of ``member`` alone is expected to emit under its context key ``key``,
         by the value model: one plus the sum over its latest tree there of each node's acceptance
@@ -842,8 +918,17 @@ class UnionDrafter(Drafter):
             idle = self.idle_members(self._state)  # nor one whose key says it drafts nothing
             chosen = {m for m in chosen if self._best_first(m) >= self.min_value and m not in idle} or chosen
         self._asked = chosen
+        self._guesses = {}
         for m, member in enumerate(self.members):
-            if m not in chosen:
+            if m == self._shadow_member and m not in chosen:
+                t0 = self.clock()
+                guess = member.first_guess(ctx)  # (catches the member up: it is not told to skip)
+                self._seen[m] = ctx.tokens.shape[0]
+                if guess is not None:
+                    self._guesses[m] = (guess, False)
+                    self.shadows += 1
+                self._shadow_seconds = self.clock() - t0
+            elif m not in chosen:
                 member.skip(ctx)
         # candidate trie: key (union parent key, token) -> [value, sources]; the root's key is ()
         trie: dict[tuple, list] = {}
@@ -857,6 +942,8 @@ class UnionDrafter(Drafter):
             member.sync(ctx)  # catching up on skipped steps: timed apart (a cost of switching)
             t1 = self.clock()
             proposal = Proposal.of(member.propose(mctx))
+            if self.shadow and member.guesses_first and member.last_guess is not None:
+                self._guesses[m] = (member.last_guess, True)
             seen, self._seen[m] = self._seen[m], ctx.tokens.shape[0]
             positions = ctx.tokens.shape[0] - (seen or 0)
             self._calls.append((m, t1 - t0, positions, self.clock() - t1, not self.warm[m]))
@@ -972,6 +1059,14 @@ class UnionDrafter(Drafter):
                 self.tests[key] *= self.decay
                 self.hits[key] = self.hits.get(key, 0.0) * self.decay
         accepted = set(verdict.path)
+        if self._guesses and self._pending is not None:  # each first guess against the first token
+            first = int(tree.tokens[verdict.path[1]]) if verdict.num_accepted else int(verdict.next_token)
+            for m, (guess, own) in self._guesses.items():
+                _accumulate(self.guess_sums, (m, self._pending[0]), float(guess == first), self.rate_decay)
+                if own:  # (decayed like the member's acceptance counts: per step that asks it)
+                    old = self.guess_pooled[m]
+                    self.guess_pooled[m] = [self.decay * old[0] + (guess == first), self.decay * old[1] + 1.0]
+            self._counts += 1
         if len(self._asked) > 1 and self._pending is not None:  # a merged step: what each member
             state = self._pending[0]  # alone would have accepted on it (paired estimate, above)
             for m in self._asked:
