@@ -1109,3 +1109,17 @@ def test_shadow_guesses_scale_a_members_expected_tokens_down_and_never_up_for_ex
     for control in (union_with(False, Guessing), union_with(True, OracleDrafter)):
         control.guess_sums[(0, state)] = [0.0, 4.0]
         assert control._guessed_tokens(0, state) == full
+
+
+def test_build_drafter_takes_every_union_option_and_refuses_unknown_ones():
+    """``build_drafter(model, "union", members=..., **options)`` passes every :class:`UnionDrafter`
+    option (it took ``max_nodes`` and ``min_value`` only) and refuses an unknown one by name, as
+    ``union@...`` specs do."""
+    from selfspec.drafters import build_drafter
+
+    members = [OracleDrafter([0] * 10, 6, depth=2), OracleDrafter([0] * 10, 6, depth=2)]
+    union = build_drafter(None, "union", members=members, shadow=True, probe_every=8, max_nodes=5)
+    assert union.shadow and union.probe_every == 8 and union.max_nodes == 5
+    assert not build_drafter(None, "union", members=members).shadow
+    with pytest.raises(ValueError, match="unknown union options.*shadows"):
+        build_drafter(None, "union", members=members, shadows=True)

@@ -515,9 +515,11 @@ class UnionDrafter(Drafter):
                 if self.shadow and len(self.arms[arm]) == 1 and self.members[self.arms[arm][0]].guesses_first and (
                         self._guess_tests(self.arms[arm][0], state) < self.min_samples
                         or (self._model_estimate(arm, state) or 0.0) < top):
-                    # a member alone that can name its first guess cheaply is shadowed (see
-                    # `_guessed_tokens`: the best arm runs, the member only guesses) until its guesses here
-                    # say that it could be the best
+                    # a member alone that can name its first guess cheaply is shadowed (the best
+                    # arm runs, the member only guesses) while few guesses were tested here or its
+                    # value model, scaled down by them (`_guessed_tokens`), says it cannot beat
+                    # the best arm (probes due by its upper estimate included); guesses never scale
+                    # it up: such a member is re-measured here by merged steps and its guesses
                     self._shadow_member, arm, probe = self.arms[arm][0], best, False
         # an exploring step (a probe, a first trial) is priced against the best arm's estimate; every
         # step against each member alone (or plain steps, where faster: a member alone backs off)
