@@ -305,7 +305,7 @@ class UnionDrafter(Drafter):
         # from a step of its own)); the member to shadow this step and what the shadow cost
         self.shadow = shadow
         self.guess_sums: dict[tuple[int, tuple[int, ...]], list[float]] = {}
-        self.guess_pooled: list[list[float]] = [[0.0, 0.0] for _ in members]
+        self.guess_pooled: dict[int, list[float]] = {}
         self._guesses: dict[int, tuple[int, bool]] = {}
         self._shadow_member: int | None = None
         self._shadow_seconds = 0.0
@@ -852,7 +852,7 @@ class UnionDrafter(Drafter):
         here = self.guess_sums.get((member, state))
         if here is None or here[1] <= 0:
             return expected
-        own = self.guess_pooled[member]
+        own = self.guess_pooled.get(member) or [0.0, 0.0]
         p_own = (own[0] + 1.0) / (own[1] + 1.5)  # (the prior of `rate`)
         p_here = (here[0] + p_own) / (here[1] + 1.0)
         return 1.0 + (expected - 1.0) * min(1.0, p_here / p_own)
@@ -1066,9 +1066,7 @@ class UnionDrafter(Drafter):
             for m, (guess, own) in self._guesses.items():
                 _accumulate(self.guess_sums, (m, self._pending[0]), float(guess == first), self.rate_decay)
                 if own:  # (decayed like the member's acceptance counts: per step that asks it)
-                    old = self.guess_pooled[m]
-                    self.guess_pooled[m] = [self.decay * old[0] + (guess == first), self.decay * old[1] + 1.0]
-            self._counts += 1
+                    _accumulate(self.guess_pooled, m, float(guess == first), self.decay)
         if len(self._asked) > 1 and self._pending is not None:  # a merged step: what each member
             state = self._pending[0]  # alone would have accepted on it (paired estimate, above)
             for m in self._asked:
