@@ -330,6 +330,39 @@ def _stale_bonus(tree, probs, generator):
 _exact_sampled = verify_mod._verify_sampled
 
 
+
+@pytest.mark.parametrize("lossy", [False, True])
+def test_prompt_lookup_with_grown_chains_keeps_the_law(lossy, monkeypatch):
+    """Prompt lookup whose first chain grows after whole acceptances (``long_depth``: its depth
+    depends on the past steps' verdicts, hence on the past draws) through the decode loop at T = 1
+    on a prompt it copies from (the target's greedy path): the law of the first five tokens (at top-k 3: 243 outcomes; five,
+    so that a grown chain has room to be drafted) is the target's. With a stale bonus token
+    (``lossy``) the same harness must fail."""
+    import test_distribution as here
+    from selfspec.drafters.ngram import NgramConfig, NgramDrafter
+
+    if lossy:
+        monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
+    monkeypatch.setattr(here, "NEW", 5)
+    table = table_target(VOCAB).table
+    prompt = [1, 2]  # the target's greedy path, which falls into a cycle lookup can copy from
+    while len(prompt) < 40:
+        prompt.append(int(table[prompt[-2], prompt[-1]].argmax()))
+    cfg = SETTINGS["T0.7-topk3"]
+    drafter = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=1, max_nodes=4, long_depth=4))
+    depths = []
+    propose = drafter.propose
+
+    def spy(ctx):
+        depths.append(drafter._depth)
+        return propose(ctx)
+
+    drafter.propose = spy
+    n = control_samples(SAMPLES) if lossy else SAMPLES
+    ok, msg = chi_square_ok(exact_law(cfg, prompt), draw_with(cfg, drafter, n=n, prompt=prompt), n=n)
+    assert max(depths) > 1  # chains did grow (and had room: five new tokens)
+    assert ok != lossy, msg
+
 @pytest.mark.parametrize("lossy", [False, True])
 def test_union_with_the_adaptive_policy_keeps_the_law(lossy, monkeypatch):
     """Two point-mass drafters merged by a union, with the adaptive policy on (steps that skip

@@ -25,6 +25,7 @@ def drafters(model, reference):
     return {
         "plain": None,
         "ngram": selfspec.build_drafter(model, "ngram", min_ngram=1),
+        "ngram_grown": selfspec.build_drafter(model, "ngram", min_ngram=1, max_depth=2, long_depth=16),
         "always_right": OracleDrafter(ref, VOCAB, depth=5),
         "never_right": OracleDrafter(ref, VOCAB, depth=3, corrupt=lambda pos, tok: (tok + 2) % VOCAB),
         "sometimes_right": OracleDrafter(

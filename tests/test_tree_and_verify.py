@@ -81,6 +81,45 @@ def test_ngram_respects_budget_and_no_match():
     assert drafter.propose(_ctx([1, 2, 3, 4])).num_nodes == 1
 
 
+
+def test_ngram_grows_its_first_chain_while_accepted_whole_and_resets_on_a_miss():
+    """``long_depth``: a step that accepts the whole of the first match's chain, drafted to its cap,
+    doubles the cap (8 -> 16 -> 32, the node budget growing with it), also when the tree was a
+    union's (compared token by token); a step that rejects part of it, or a new generation,
+    returns it to ``max_depth``. Equal to ``max_depth`` the depth is fixed."""
+    from selfspec.verify import Verdict
+
+    cycle = list(range(10, 50))  # a 40-token cycle: every suffix matches one period earlier
+    context = cycle * 3
+
+    def chain(tree):
+        node, out = 0, []
+        while tree.children[node]:
+            node = tree.children[node][0]
+            out.append(int(tree.tokens[node]))
+        return out
+
+    def step(drafter, accept: int | None = None):
+        """Propose, then observe a verdict accepting ``accept`` nodes of the first chain (all: None)."""
+        tree = drafter.propose(_ctx(context, max_depth=64))
+        first = [0]
+        while tree.children[first[-1]]:
+            first.append(tree.children[first[-1]][0])
+        path = first if accept is None else first[: accept + 1]
+        drafter.observe(None, tree, Verdict(path, 0, accept is None))
+        return chain(tree)
+
+    drafter = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=8, max_nodes=12, long_depth=32))
+    assert [len(step(drafter)) for _ in range(4)] == [8, 16, 32, 32]
+    assert step(drafter, accept=5)[:5] == cycle[:5]  # drafted 32 deep, five accepted: back to 8
+    assert len(step(drafter)) == 8 and len(step(drafter)) == 16
+    drafter.reset()
+    assert len(step(drafter)) == 8
+    fixed = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=8, max_nodes=12, long_depth=8))
+    assert [len(step(fixed)) for _ in range(3)] == [8, 8, 8]
+    with pytest.raises(ValueError, match="long_depth"):
+        NgramConfig(max_depth=8, long_depth=4)
+
 def test_ngram_search_finds_every_earlier_occurrence_once_per_context():
     """The one-pass search returns, for every n, the continuation starts of all earlier occurrences
     of the last n tokens (checked against a brute-force scan on random contexts over small

@@ -72,10 +72,12 @@ def test_members_outside_the_chosen_arm_are_told_to_skip():
 def test_a_member_alone_drafts_its_own_tree_as_drafted():
     """A step of one member alone passes the member's tree through (same object, node order kept):
     a union running prompt lookup alone should cost what prompt lookup costs alone; its nodes are
-    still credited to that member (acceptance rates), and the output stays exact."""
+    still credited to that member (acceptance rates), and the output stays exact. Also when the
+    member drafts more nodes than the merge's budget (prompt lookup's grown chains; here 6 nodes
+    against ``max_nodes=4``, which merged trees keep to)."""
     cfg, prompt = SamplingConfig(0.0), torch.tensor([1, 2])
     reference = decode(table_target(), prompt, None, cfg, torch.Generator(), 90, set(), 1000).sequences[0].tolist()
-    drafted, passed = {}, []
+    drafted, passed, big = {}, [], []
 
     class Keeping(OracleDrafter):
         def propose(self, ctx):
@@ -83,15 +85,18 @@ def test_a_member_alone_drafts_its_own_tree_as_drafted():
             return tree
 
     members = [Keeping(reference, 6, depth=3, sibling=True), Keeping(reference, 6, depth=4, sibling=False)]
-    union = UnionDrafter(members, clock=step_clock())
+    union = UnionDrafter(members, max_nodes=4, clock=step_clock())
     propose = union.propose
 
     def spy(ctx):
         drafted.clear()
         tree = propose(ctx)
+        if len(union.arms[union._arm]) > 1:
+            assert tree.num_nodes - 1 <= 4
         if len(union.arms[union._arm]) == 1:
             (alone,) = union.arms[union._arm]
             passed.append(tree is drafted[members[alone]])
+            big.append(tree.num_nodes - 1 > 4)
             # every node credited to the member that drafted it (its acceptance rates)
             assert all(src[0] == alone for sources in union._sources[1:] for src in sources)
         return tree
@@ -102,6 +107,7 @@ def test_a_member_alone_drafts_its_own_tree_as_drafted():
     assert passed and all(passed)
     assert {union.arms[1][0], union.arms[2][0]} == {0, 1}
     assert union.arm_steps[1] > 0 and union.arm_steps[2] > 0, union.arm_steps  # both members ran alone
+    assert any(big), "member 0 alone never drafted past the merge's budget"
 
 
 def test_members_are_told_whether_their_tree_is_merged():

@@ -960,8 +960,9 @@ class UnionDrafter(Drafter):
             key, value, seen = {0: ()}, {0: 1.0}, {}
             shape = self.shapes[(m, self._state[m])] = []
             self._counts += 1
-            if len(chosen) == 1 and not sampled and tree.num_nodes - 1 <= self.max_nodes:
-                # a member alone within the budget: its tree passes through as drafted (below), so
+            if len(chosen) == 1 and not sampled:
+                # a member alone: its tree passes through as drafted (below; the member as it runs
+                # on its own, beyond the merge's node budget too: prompt lookup's grown chains), so
                 # only its shape is needed (no trie of values)
                 depths = [0] * tree.num_nodes
                 for i in range(1, tree.num_nodes):
@@ -989,8 +990,8 @@ class UnionDrafter(Drafter):
             return DraftTree.root_only(ctx.root_token)
         floor = self.min_value if len(chosen) > 1 else 0.0  # a member alone drafts its own tree
         sampled = anchored is not None and bool((anchored[0].laws[1:] != Law.POINT).any())
-        if len(chosen) == 1 and not sampled and tree.num_nodes - 1 <= self.max_nodes:
-            # a member alone within the budget: its tree as drafted (the trie would rebuild the same
+        if len(chosen) == 1 and not sampled:
+            # a member alone: its tree as drafted (the trie would rebuild the same
             # nodes in another order; a step of prompt lookup alone should cost what it costs alone)
             (only,) = chosen  # (not the loop's last `m`: that runs over every member)
             self._sources = [[]] + [[(only, depth, rank)] for _, depth, rank in shape]
