@@ -86,8 +86,9 @@ class NgramDrafter(Drafter):
         accepted = tree.tokens[verdict.path[1:]].tolist()[: len(chain)]
         if accepted != chain:
             self._depth = self.config.max_depth
-        elif len(chain) == cap:  # drafted to its cap and accepted whole
-            self._depth = min(self.config.long_depth, 2 * cap)
+        elif len(chain) == cap:  # drafted to its cap and accepted whole (a cap the step's room or an
+            self._depth = min(self.config.long_depth, max(self._depth, 2 * cap))  # adaptive cap cut
+            # short never lowers the grown depth)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         cfg = self.config
