@@ -334,8 +334,8 @@ _exact_sampled = verify_mod._verify_sampled
 @pytest.mark.parametrize("lossy", [False, True])
 def test_prompt_lookup_with_grown_chains_keeps_the_law(lossy, monkeypatch):
     """Prompt lookup whose first chain grows after whole acceptances (``long_depth``: its depth
-    depends on the past steps' verdicts, hence on the past draws) through the decode loop at T = 1
-    on a prompt it copies from (the target's greedy path): the law of the first five tokens (at top-k 3: 243 outcomes; five,
+    depends on the past steps' verdicts, hence on the past draws) through the decode loop at T = 0.7,
+    top-k 3, on a prompt it copies from (the target's greedy path): the law of the first five tokens (at top-k 3: 243 outcomes; five,
     so that a grown chain has room to be drafted) is the target's. With a stale bonus token
     (``lossy``) the same harness must fail."""
     import test_distribution as here
@@ -354,7 +354,7 @@ def test_prompt_lookup_with_grown_chains_keeps_the_law(lossy, monkeypatch):
     propose = drafter.propose
 
     def spy(ctx):
-        depths.append(drafter._depth)
+        depths.append(min(drafter._depth, ctx.max_depth))  # the first chain's cap this step
         return propose(ctx)
 
     drafter.propose = spy

@@ -87,8 +87,8 @@ def test_ngram_grows_its_first_chain_while_accepted_whole_and_resets_on_a_miss()
     doubles the cap (8 -> 16 -> 32, the node budget growing with it), also when the tree was a
     union's (compared token by token); a step that rejects part of it, or a new generation,
     returns it to ``max_depth``; a chain accepted whole short of its cap (the continuation ran out,
-    or the step had room for fewer tokens) neither grows nor lowers it. Equal to ``max_depth`` the
-    depth is fixed."""
+    or the step had room for fewer tokens) neither grows nor lowers it; a union's merged step drafts
+    to ``max_depth`` and leaves the cap as it is. Equal to ``max_depth`` the depth is fixed."""
     from selfspec.verify import Verdict
 
     cycle = list(range(10, 50))  # a 40-token cycle: every suffix matches one period earlier
@@ -115,21 +115,28 @@ def test_ngram_grows_its_first_chain_while_accepted_whole_and_resets_on_a_miss()
     assert [len(step(drafter)) for _ in range(4)] == [8, 16, 32, 32]
     assert step(drafter, accept=5)[:5] == cycle[:5]  # drafted 32 deep, five accepted: back to 8
     assert len(step(drafter)) == 8 and len(step(drafter)) == 16
-    context = cycle * 3
-    assert len(step(drafter)) == 32  # grown to 32 again
-    context = list(range(60, 70)) * 3  # a 10-token cycle: the chain runs out after 10 tokens...
-    assert len(step(drafter)) == 10
-    context = cycle * 3
-    assert len(step(drafter)) == 32  # ...accepted whole short of its cap: neither grown nor reset
-    short = drafter.propose(_ctx(context, max_depth=4))  # a step with room for 4: accepted whole
-    drafter.observe(None, short, Verdict(list(range(5)), 0, True))
-    assert len(step(drafter)) == 32  # does not lower the grown cap
     drafter.reset()
     assert len(step(drafter)) == 8
+    context = list(range(60, 70)) * 3  # a 10-token cycle: the chain runs out after 10 tokens...
+    assert len(step(drafter)) == 10 and len(step(drafter)) == 10  # ...accepted whole: cap stays 16
+    context = cycle * 3
+    assert len(step(drafter)) == 16
+    short = drafter.propose(_ctx(context, max_depth=6))  # a step with room for 6, accepted whole
+    drafter.observe(None, short, Verdict(list(range(7)), 0, True))
+    assert len(step(drafter)) == 32  # neither grew from nor lowered to the room's 6: 16 -> 32 above
+    merged = DraftContext(torch.tensor(context), None, 64, SamplingConfig(), torch.Generator(), merged=True)
+    tree = drafter.propose(merged)  # in a union's merged step: max_depth, and the cap is not judged
+    drafter.observe(None, tree, Verdict([0, 1], 0, False))
+    assert len(chain(tree)) == 8 and len(step(drafter)) == 32
+    drafter.reset()
+    short = drafter.propose(_ctx(context, max_depth=6))  # at cap 8, room for 6, accepted whole:
+    drafter.observe(None, short, Verdict(list(range(7)), 0, True))
+    assert len(step(drafter)) == 8  # not grown from the room's 6 to 12
     fixed = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=8, max_nodes=12, long_depth=8))
     assert [len(step(fixed)) for _ in range(3)] == [8, 8, 8]
     with pytest.raises(ValueError, match="long_depth"):
         NgramConfig(max_depth=8, long_depth=4)
+    assert NgramConfig().grown_depth == 32 and NgramConfig(max_depth=40).grown_depth == 40
 
 def test_ngram_search_finds_every_earlier_occurrence_once_per_context():
     """The one-pass search returns, for every n, the continuation starts of all earlier occurrences

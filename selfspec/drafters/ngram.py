@@ -31,10 +31,14 @@ class NgramConfig:
             accepted whole: a step that accepts the whole of that chain, drafted to its depth
             cap, doubles the cap for the next step (from ``max_depth`` up to ``long_depth``, the
             node budget growing with it); a step that rejects any of it returns the cap to
-            ``max_depth`` (as does a new generation). Equal to ``max_depth``: a fixed depth (as
-            until round 39). Default 32: verifying a node costs about a millisecond on a 2-core
-            CPU against about 33 for a step, so a chain that was accepted whole twice pays for
-            being drafted four times as deep after one more token accepted.
+            ``max_depth`` (as does a new generation). A chain accepted whole short of the cap
+            (its continuation ran out, or the step had room for fewer tokens) leaves the cap as
+            it is. In a union's merged steps (``ctx.merged``) the drafter drafts to ``max_depth``
+            and the cap is left as it is: the union budgets merged nodes by value and would cut
+            a grown chain. Equal to ``max_depth``: a fixed depth (as until round 39). ``None``
+            (default): 32, or ``max_depth`` if deeper. 32: verifying a node costs about a
+            millisecond on a 2-core CPU against about 33 for a step, so a chain that was accepted
+            whole twice pays for being drafted four times as deep after one more token accepted.
     """
 
     max_ngram: int = 4
@@ -42,7 +46,7 @@ class NgramConfig:
     max_depth: int = 8
     max_nodes: int = 12
     max_matches: int = 4
-    long_depth: int = 32
+    long_depth: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -50,8 +54,14 @@ class NgramConfig:
         for name in ("max_depth", "max_nodes", "max_matches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.long_depth < self.max_depth:
+        if self.long_depth is not None and self.long_depth < self.max_depth:
             raise ValueError(f"long_depth must be >= max_depth ({self.max_depth}), got {self.long_depth}")
+
+    @property
+    def grown_depth(self) -> int:
+        """The deepest the first match's chain grows to (``long_depth``, by default 32 or
+        ``max_depth`` if deeper)."""
+        return max(32, self.max_depth) if self.long_depth is None else self.long_depth
 
 
 class NgramDrafter(Drafter):
@@ -80,20 +90,20 @@ class NgramDrafter(Drafter):
         """Grow or reset the first match's depth cap by whether the step accepted its whole chain
         (the tree may be a union's: its accepted path is compared token by token)."""
         drafted, self._chain = self._chain, None
-        if not drafted or self.config.long_depth == self.config.max_depth:
+        if not drafted or self.config.grown_depth == self.config.max_depth:
             return
         chain, cap = drafted
         accepted = tree.tokens[verdict.path[1:]].tolist()[: len(chain)]
         if accepted != chain:
             self._depth = self.config.max_depth
-        elif len(chain) == cap:  # drafted to its cap and accepted whole (a cap the step's room or an
-            self._depth = min(self.config.long_depth, max(self._depth, 2 * cap))  # adaptive cap cut
-            # short never lowers the grown depth)
+        elif len(chain) == cap == self._depth:  # drafted to the cap itself (not cut by the step's
+            self._depth = min(self.config.grown_depth, 2 * cap)  # room) and accepted whole
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         cfg = self.config
         depth = min(cfg.max_depth, ctx.max_depth)
-        first = min(self._depth, ctx.max_depth)  # the first match's cap (grown, see long_depth)
+        # the first match's cap (grown, see long_depth; not in a union's merged steps)
+        first = depth if ctx.merged else min(self._depth, ctx.max_depth)
         budget = cfg.max_nodes + max(0, first - depth)
         builder = TreeBuilder(ctx.root_token)
         self._chain = None
@@ -113,7 +123,7 @@ class NgramDrafter(Drafter):
                         break
                     child = trie[(node, tok)] = builder.add(node, tok)
                 node, walked = child, walked + 1
-            if matches == 0:
+            if matches == 0 and not ctx.merged:
                 self._chain = (chain[:walked], first)
             matches += 1
             if matches >= cfg.max_matches or len(builder) > budget:

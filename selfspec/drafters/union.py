@@ -144,7 +144,9 @@ tokens) is kept as a decayed sum, and no probe runs while it exceeds the explora
 (:meth:`UnionDrafter._may_explore`; from a fresh union's first step on, as if it had run for the
 decay horizon at that step's pace). Nor does a probe run when fewer tokens are
 left in the generation than the deepest draft a member made: its step would be cut short, cost as
-much, and price its arm by a truncated draft.
+much, and price its arm by a truncated draft. (Since round 39 prompt lookup's grown chains make
+that up to 32 tokens: no probe runs in a generation's last 32 once a chain grew that deep; the
+round-39 measurements include this.)
 
 *Shadow guesses* (``shadow=True``, off by default) make exploring a member that can name its first
 token cheaply (:attr:`~selfspec.drafters.base.Drafter.guesses_first`: an EAGLE-3 head, by its
@@ -991,8 +993,9 @@ class UnionDrafter(Drafter):
         floor = self.min_value if len(chosen) > 1 else 0.0  # a member alone drafts its own tree
         sampled = anchored is not None and bool((anchored[0].laws[1:] != Law.POINT).any())
         if len(chosen) == 1 and not sampled:
-            # a member alone: its tree as drafted (the trie would rebuild the same
-            # nodes in another order; a step of prompt lookup alone should cost what it costs alone)
+            # a member alone: its tree as drafted (the trie would rebuild its nodes in another
+            # order, or cut them to the merge's budget; a step of prompt lookup alone should cost
+            # what it costs alone)
             (only,) = chosen  # (not the loop's last `m`: that runs over every member)
             self._sources = [[]] + [[(only, depth, rank)] for _, depth, rank in shape]
             return tree
