@@ -104,8 +104,8 @@ class NgramDrafter(Drafter):
         cfg = self.config
         depth = min(cfg.max_depth, ctx.max_depth)
         # the first match's cap (grown, see long_depth; not in a union's merged steps)
-        first = depth if ctx.merged else min(self._depth, ctx.max_depth)
-        budget = cfg.max_nodes + max(0, first - depth)
+        first = depth if ctx.merged else min(self._depth, ctx.max_depth)  # (>= depth)
+        budget = cfg.max_nodes + first - depth
         builder = TreeBuilder(ctx.root_token)
         self._chain = None
         if depth < 1:
