@@ -213,16 +213,27 @@ def trained_llama(tmp_path_factory):
     return model, drafter
 
 
-@pytest.mark.parametrize("mode", ["tree", "chain", "tree_min_score", "tree_int8"])
+@pytest.mark.parametrize("mode", ["tree", "chain", "tree_min_score", "tree_min_first", "tree_int8"])
 def test_greedy_identity_with_a_trained_head(trained_llama, mode):
     model, drafter = trained_llama
     opts = {"tree": {}, "chain": dict(width=1, branch=1), "tree_min_score": dict(min_score=0.05),
-            "tree_int8": dict(head_weights="int8")}[mode]
+            "tree_min_first": dict(min_first=0.0295), "tree_int8": dict(head_weights="int8")}[mode]
     d = drafter.with_options(**opts)
+    sizes, propose = [], d.propose
+
+    def spy(ctx):  # (the number of nodes of every tree drafted, the root's included)
+        tree = propose(ctx)
+        sizes.append(tree.num_nodes)
+        return tree
+
+    d.propose = spy
     reference = model.generate(PROMPT, max_new_tokens=40, do_sample=False, pad_token_id=0)
     out = selfspec.generate(model, PROMPT, drafter=d, max_new_tokens=40, adaptive=False)
     assert torch.equal(out.sequences, reference)
-    if mode != "tree_min_score":  # an unsure head may draft nothing above the floor
+    if mode == "tree_min_first":  # the floor bound in some steps (nothing drafted), not in others
+        # (this tiny head's first-token probabilities are 0.028-0.032)
+        assert 1 in sizes and max(sizes) > 1 and sum(out.stats.accepted_per_depth) > 0, sizes
+    if mode not in ("tree_min_score", "tree_min_first"):  # an unsure head may draft nothing above the floor
         assert out.stats.mean_accepted_length > 1.5  # the drafts were really verified and often right
 
 
@@ -299,19 +310,51 @@ def _sampling_drafter(model, head_weights="native"):
     return _randomise(d, seed=2, scale=0.5).for_sampling(dict(width=3, branch=2, max_depth=2, max_nodes=6))
 
 
-def test_sampled_children_keep_the_target_law(monkeypatch):
+@pytest.mark.parametrize("floor", [{}, dict(min_score=0.3)])
+def test_sampled_children_keep_the_target_law(monkeypatch, floor):
+    """With a confidence floor (``min_score``) a node is expanded only where its path's draft
+    probability, its own drawn token's included, stays above the floor, so the tree's shape
+    depends on earlier draws (decided before the children it adds are drawn): the law must hold
+    for such trees too, and the floor must bind (trees of several sizes). (``min_first`` applies
+    to greedy steps only: ``test_min_first_applies_to_greedy_steps_only``.)"""
     model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
     drafter = _sampling_drafter(model, "native")
-    widest, real_verify = [0], verify_mod._verify_sampled
+    if floor:
+        drafter = drafter.with_options(**floor)
+    widest, sizes, real_verify = [0], set(), verify_mod._verify_sampled
 
     def spy(tree, probs, gen):  # the sampled tree (2 root children: branch 2), not the own chain of 1
         widest[0] = max(widest[0], int((tree.parents[1:] == 0).sum()))
+        sizes.add(tree.num_nodes)
         return real_verify(tree, probs, gen)
 
     monkeypatch.setattr(verify_mod, "_verify_sampled", spy)
     ok, msg = chi_square_ok(_exact_law(model, cfg), _counts(model, cfg, drafter), n=SAMPLES)
     assert ok, msg
     assert widest[0] == 2
+    if floor:
+        assert len(sizes) >= 2, sizes  # the floor cut some trees and not others
+
+
+def test_min_first_applies_to_greedy_steps_only():
+    """A head unsure of its first token drafts nothing in a greedy step, and its sampled tree as
+    before at T > 0 (where the top probability does not bound acceptance); its cache holds the
+    committed pairs only either way."""
+    from selfspec.drafters.base import DraftContext
+
+    model = _peaked_model()
+    ids = torch.tensor(DIST_PROMPT + [4, 1, 2])
+    sizes = {}
+    for name, floor in (("floored", 0.99), ("plain", 0.0)):
+        d = _sampling_drafter(model, "native").with_options(min_first=floor)
+        for temperature in (0.0, 0.9):
+            d.reset()
+            ctx = DraftContext(ids, None, 3, SamplingConfig(temperature, top_k=4), torch.Generator().manual_seed(0),
+                               features=TreeTarget(model, taps=d.taps).prefill(ids).taps)
+            sizes[(name, temperature)] = d.propose(ctx).num_nodes
+            assert d.k.shape[1] == d.cached == ids.shape[0] - 1
+    assert sizes[("floored", 0.0)] == 1 < sizes[("plain", 0.0)], sizes
+    assert sizes[("floored", 0.9)] == sizes[("plain", 0.9)] > 1, sizes
 
 
 def test_int8_children_are_drawn_from_the_law_they_record(monkeypatch):
@@ -567,6 +610,35 @@ def test_load_drafter_prefers_the_tree_calibrated_on_this_class_of_machine(tmp_p
         head = load_drafter(tmp_path / "d", model)
         sampled = head.sampled_cfg or head.cfg  # (none where no entry applies)
         assert head.cfg.max_nodes == want and sampled.max_nodes == want, (table, want)
+
+
+def test_a_floor_stored_with_the_own_tree_reaches_every_tree(tmp_path):
+    """``min_first`` stored in the own tree's entry (the shipped head's on the AMX Xeon, round 41)
+    applies to the tree of steps drafted alone at T > 0 and to the union's merged steps too, whose
+    entries hold shapes only; an invalid floor is refused at load time."""
+    import json
+
+    from selfspec.checkpoint import CONFIG_FILE
+    from selfspec.drafters import union_member
+    from selfspec.measurement.machine import machine_key
+
+    model = tiny_model("llama", layers=5)
+    save_drafter(build_drafter(model, "eagle3", draft_vocab_size=32, max_depth=2, width=1, branch=1, max_nodes=2),
+                 tmp_path / "d")
+    meta = json.loads((tmp_path / "d" / CONFIG_FILE).read_text())
+    here = machine_key("float64", "cpu")
+    meta["extra"] = {"options_by_dtype": {here: {"max_nodes": 2, "min_first": 0.2}},
+                     "options_sampled_by_dtype": {here: {"max_nodes": 3, "width": 2, "branch": 2}},
+                     "options_in_union_by_dtype": {here: {"max_nodes": 4, "width": 2, "branch": 2}}}
+    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
+    head = load_drafter(tmp_path / "d", model)
+    member = union_member(head)
+    assert head.cfg.min_first == head.sampled_cfg.min_first == member.merge_cfg.min_first == 0.2
+    assert (head.sampled_cfg.max_nodes, member.merge_cfg.max_nodes) == (3, 4)
+    meta["extra"]["options_by_dtype"][here]["min_first"] = 1.5
+    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="min_first"):
+        load_drafter(tmp_path / "d", model)
 
 
 def test_bad_options_are_refused():
