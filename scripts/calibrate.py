@@ -67,10 +67,8 @@ from selfspec.measurement.workloads import calibration_prompts, heldout_chat_pro
 from selfspec.measurement.machine import cpu_label, machine_key  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-#: options a calibration stores (tree shape, never the weights' shape): the raced shape, and the
-#: confidence floors the drafter ran the race with (an entry's ``min_first`` stays when its tree is
-#: raced again)
-TREE_OPTIONS = ("tree", "max_nodes", "max_depth", "width", "branch", "head_weights", "min_score", "min_first")
+#: options a calibration may change (tree shape, never the weights' shape)
+TREE_OPTIONS = ("tree", "max_nodes", "max_depth", "width", "branch", "head_weights")
 
 
 def training_prompts(meta: dict) -> set[str]:

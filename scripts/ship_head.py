@@ -34,7 +34,7 @@ from selfspec.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, atom
 TREES = ("options_by_dtype", "options_in_union_by_dtype", "options_sampled_by_dtype")
 RECORDS = ("calibration", "calibration_by_dtype", "calibration_in_union_by_dtype", "calibration_sampled_by_dtype")
 #: ``config`` fields that describe the tree rather than the head's shape
-TREE_CONFIG = ("max_depth", "max_nodes", "width", "branch", "min_score", "min_first", "head_weights")
+TREE_CONFIG = ("max_depth", "max_nodes", "width", "branch", "min_score", "head_weights")
 
 
 def merged_meta(new: dict, old: dict) -> dict:

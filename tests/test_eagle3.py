@@ -613,9 +613,9 @@ def test_load_drafter_prefers_the_tree_calibrated_on_this_class_of_machine(tmp_p
 
 
 def test_a_floor_stored_with_the_own_tree_reaches_every_tree(tmp_path):
-    """``min_first`` stored in the own tree's entry (the shipped head's on the AMX Xeon, round 41)
-    applies to the tree of steps drafted alone at T > 0 and to the union's merged steps too, whose
-    entries hold shapes only; an invalid floor is refused at load time."""
+    """``min_first`` stored in the own tree's entry applies to the tree of steps drafted alone at
+    T > 0 and to the union's merged steps too, whose entries here hold shapes only; an invalid
+    floor is refused at load time."""
     import json
 
     from selfspec.checkpoint import CONFIG_FILE

@@ -19,6 +19,8 @@ draw (the best ``width`` (parent, rank) slots within the node budget), and each 
 children are drawn without replacement from q (the target's temperature / top-k / top-p applied to
 the draft logits over the full vocabulary; tokens outside the draft vocabulary have q = 0) and
 recorded as ``Law.WOR`` with q, so the number of draws never depends on the draws themselves.
+A greedy step whose most likely first token is under the first-token floor (``min_first``) drafts
+nothing: a plain step, decided from the root's draft law alone.
 A drafter holds up to three tree configurations, chosen per step (:meth:`Eagle3Drafter.tree_config`):
 its own (``cfg``), the tree of a union's merged steps (``merge_cfg``) and the tree of steps it
 drafts alone at T > 0 (``sampled_cfg``, calibrated at a temperature), all run by one head.
@@ -63,14 +65,15 @@ class Eagle3Config:
             head's softmax over the draft vocabulary at the root) below this drafts nothing (a
             root-only tree: a plain step, plus the catch-up and one draft LM head). The decision
             reads the root's draft law only, so it is exact. EAGLE-2's observation holds for this
-            head: its first-token probability predicts greedy acceptance (round 39: under 0.2,
-            steps on MT-Bench where prompt lookup had no match accepted 0.26-0.50 draft tokens,
-            about what a head step must accept to pay for itself, and on the adversarial prompts
-            0.11-0.17). Unlike ``min_score`` it never cuts deeper nodes of a confident step
-            (``min_score=0.2`` ran 0.97x on MT-Bench greedy, round 41). Steps at T > 0 ignore it:
-            a child drawn from q is accepted with probability sum(min(p, q)), which the top
-            probability does not bound (a flat q can match a flat p), and at T=0.7 the floor was
-            not resolved either way (round 41).
+            head: its first-token probability predicts greedy acceptance (round 39: on MT-Bench
+            where prompt lookup had no match, steps under 0.1 accepted 0.26 draft tokens and at
+            0.1-0.2 0.50, pooled about 0.43, near what a head step must accept to pay for itself
+            here). Unlike ``min_score`` it never cuts deeper nodes of a confident step
+            (``min_score=0.2`` cut the head's MAT on MT-Bench greedy from 2.63 to 2.15, round
+            41). Steps at T > 0 ignore it: a child drawn from q is accepted with probability
+            sum(min(p, q)), which the top probability does not bound (a flat q can match a flat
+            p). Default 0 (off): at 0.2, measured in round 41, level on MT-Bench greedy, 0.97x
+            for the head alone on BFCL, and on the adversarial prompts two runs disagreed.
         sampled: at temperature > 0, draw children from q (else point-mass top tokens).
         head_weights: ``"native"`` drafts with the head's weights as they are; ``"int8"`` with an
             int8 weight-only copy of its linear layers (:mod:`selfspec.int8_linear`: half the
