@@ -287,7 +287,7 @@ class Eagle3Drafter(Drafter):
         the ``max_nodes`` best candidates overall by cumulative draft log-probability."""
         head = self.run_head
         cap = min(cfg.max_depth, ctx.max_depth)
-        min_lp = float(torch.tensor(cfg.min_score).log()) if cfg.min_score > 0 else -float("inf")
+        min_lp = _log(cfg.min_score)
         parent, token, score = [-1], [-1], [0.0]  # candidates; 0 is the root; token = draft id
         anc = {0: []}  # forwarded candidate -> cache slots of its forwarded ancestors and itself
         frontier, outs = [0], root_out
