@@ -33,6 +33,15 @@ calibration prompts (GSM8K train + HumanEval from ../shared/data, never the benc
   (``extra.options_sampled_by_dtype``, ``Drafter.for_sampling``); greedy steps keep the head's own
   tree, and a union's merged steps the tree calibrated ``--within``.
 
+With ``--familiarity`` (EAGLE-3) nothing is raced: the head's familiarity read
+(``Eagle3Config.min_familiar``: the share of a prompt's last tokens among its top three draft
+tokens, teacher-forced) runs on ``--prompts`` held-out chat prompts (400 by default, as many as
+there are), and the floor under which a union leaves the head out of a generation is stored in
+the head's ``config`` (every dtype: the read is the head's, not the machine's), with the
+distribution it came from in ``extra.familiarity``: three quarters of the lowest share, rounded
+down to 0.01 (``selfspec.measurement.calibration.familiarity_floor``), so no held-out chat prompt
+falls under it.
+
 The choice and the measurements are written into the checkpoint (``drafter.json``) per target
 dtype and class of CPU (``--dtype``; keys such as ``bfloat16@amx``,
 ``selfspec.measurement.machine.machine_key``: the verify cost curves differ by class, e.g. a bf16
@@ -56,10 +65,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import selfspec  # noqa: E402
-from selfspec.measurement.calibration import (choose_tree, heads_accuracy, heads_draft_cost,  # noqa: E402
-                                              measured_search, measured_speedups, raced_choice, verify_costs)
+from selfspec.measurement.calibration import (choose_tree, familiarity_floor, heads_accuracy,  # noqa: E402
+                                              heads_draft_cost, measured_search, measured_speedups,
+                                              prompt_familiarity, raced_choice, verify_costs)
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.checkpoint import CONFIG_FILE, atomic_write_text, read_checkpoint  # noqa: E402
 from selfspec.drafters import UnionDrafter, drafter_from_spec, load_drafter, union_member  # noqa: E402
@@ -166,12 +177,17 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="eagle3: race the tree of sampled steps at this temperature (> 0; stored apart)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (--temperature)")
+    ap.add_argument("--familiarity", action="store_true",
+                    help="eagle3: measure the head's familiarity read on held-out chat prompts and store the floor "
+                         "under which a union leaves it out of a generation (min_familiar)")
     ap.add_argument("--dry-run", action="store_true", help="print the choice, leave the checkpoint as it is")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, tok = selfspec.load_target(args.target, dtype=args.dtype)
     drafter = load_drafter(args.checkpoint, model)
     meta, _ = read_checkpoint(args.checkpoint)
+    if args.familiarity:
+        return calibrate_familiarity(args, model, tok, drafter, meta)
     if args.within and drafter.kind != "eagle3":
         raise SystemExit(f"--within calibrates eagle3 heads inside a union, not {drafter.kind} drafters")
     if args.temperature < 0:
@@ -299,6 +315,38 @@ def main(argv=None) -> None:
         extra["calibration"] = json.loads(json.dumps(record))
     atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
     print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} ({what}, {key})")
+
+
+def calibrate_familiarity(args, model, tok, drafter, meta: dict) -> None:
+    """``--familiarity``: the floor of the head's familiarity read, from held-out chat prompts."""
+    if drafter.kind != "eagle3":
+        raise SystemExit(f"--familiarity calibrates an eagle3 head's familiarity floor, not {drafter.kind} drafters")
+    if args.within or args.temperature:
+        raise SystemExit("--familiarity stores one floor for the head (no --within, no --temperature)")
+    n = 400 if args.prompts is None else args.prompts
+    if n < 1:
+        raise SystemExit(f"--prompts must be >= 1, got {n}")
+    texts = heldout_prompts(meta, n)
+    prompts = [encode_chat(tok, [{"role": "user", "content": p}]) for p in texts]
+    reads = prompt_familiarity(model, drafter, tqdm(prompts, desc="familiarity read"))
+    decided = [h / k for h, k in reads if k >= drafter.cfg.familiar_window // 4]
+    if not decided:
+        raise SystemExit("no held-out prompt is long enough for a familiarity read")
+    floor = familiarity_floor(decided)
+    ordered = sorted(decided)
+    record = {"prompts": len(prompts), "decided": len(decided), "window": drafter.cfg.familiar_window,
+              "dtype": args.dtype, "lowest": ordered[0], "p1": ordered[len(ordered) // 100],
+              "p5": ordered[len(ordered) // 20], "median": ordered[len(ordered) // 2], "floor": floor,
+              "rule": "0.75 x the lowest held-out chat share, rounded down to 0.01"}
+    print(f"familiarity over {len(decided)} held-out chat prompts (window {record['window']}): lowest "
+          f"{record['lowest']:.3f}, 1% {record['p1']:.3f}, 5% {record['p5']:.3f}, median {record['median']:.3f}; "
+          f"floor {floor:.2f}")
+    if args.dry_run:
+        return
+    meta["config"]["min_familiar"] = floor
+    meta.setdefault("extra", {})["familiarity"] = record
+    atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
+    print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} (config.min_familiar)")
 
 
 if __name__ == "__main__":

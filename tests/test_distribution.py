@@ -391,6 +391,48 @@ def test_union_with_the_adaptive_policy_keeps_the_law(lossy, monkeypatch):
     assert ok != lossy, msg
 
 
+@pytest.mark.parametrize("lossy", [False, True])
+def test_union_with_a_member_that_abstains_in_some_generations_keeps_the_law(lossy, monkeypatch):
+    """A member whose context key is its ``abstain_key`` in every other generation (an EAGLE-3
+    head that read the prompt as unfamiliar, ``min_familiar``; decided from the past, never from
+    this generation's draws) is left out of every arm there and merged in the others: the
+    decode-loop harness at T = 0.7, top-k 3 still draws the target's law. With a stale bonus
+    token (``lossy``) the same harness must fail."""
+    from selfspec.drafters.union import UnionDrafter
+
+    if lossy:
+        monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
+    from test_union import _Clock, timed_target
+
+    class Abstaining(ScriptedDrafter):
+        abstain_key = -1
+
+        def reset(self):
+            self.generations = getattr(self, "generations", -1) + 1
+
+        def context_key(self, ctx):
+            return self.abstain_key if self.generations % 2 else 0
+
+        def propose(self, ctx):
+            asked[self.generations % 2] += 1
+            return super().propose(ctx)
+
+    asked = [0, 0]  # steps that asked the member for a tree: in generations it joins, it abstains
+    clock = _Clock(seed=0)
+    cfg, gen, target, counts = SETTINGS["T0.7-topk3"], torch.Generator().manual_seed(0), timed_target(clock, VOCAB), {}
+    union = UnionDrafter([Abstaining(VOCAB, point=2, sampled=0, seed=1),
+                          ScriptedDrafter(VOCAB, point=1, sampled=0, seed=2)], clock=clock)
+    ids = torch.tensor(PROMPT)
+    n = control_samples(SAMPLES) if lossy else SAMPLES
+    for _ in range(n):
+        out = decode(target, ids, union, cfg, gen, NEW, set(), 100)
+        key = tuple(out.sequences[0, len(PROMPT):].tolist())
+        counts[key] = counts.get(key, 0) + 1
+    assert asked[0] > 0 and asked[1] == 0, asked
+    ok, msg = chi_square_ok(exact_law(cfg), counts, n=n)
+    assert ok != lossy, msg
+
+
 def _grafts_recorded_as_sampled(union, graft):
     """A lossy graft rule: the same trees, but a grafted point mass under a parent with sampled
     children is recorded as drawn from that parent's draft law q (``Law.IID``), so the verifier

@@ -274,6 +274,74 @@ def test_union_with_ngram_keeps_identity(trained_llama, shadow):
         assert sum(n for _, n in union.guess_sums.values()) > 0 and union.guess_pooled[0][1] > 0
 
 
+def test_the_familiarity_read_counts_top3_hits_of_the_windows_own_pairs(trained_llama):
+    """``read_familiarity`` equals a loop over the window's pairs, each run with the window's
+    earlier pairs only (the read attends within the window), counting the tokens t + 2 that are
+    among pair t's top three draft tokens; the last pair predicts the unknown next token."""
+    from selfspec.drafters.eagle3 import FAMILIAR_TOP
+
+    model, drafter = trained_llama
+    ids = torch.cat([PROMPT[0], torch.tensor([7, 2, 3, 9, 27])])  # P + 1 = 15 tokens
+    feats = TreeTarget(model, taps=drafter.taps).prefill(ids).taps  # positions 0 .. P - 1
+    head, P = drafter.head, ids.shape[0] - 1
+    for window in (8, 11, 64):
+        w = min(window, P)
+        hits = 0
+        for t in range(P - w, P - 1):
+            pairs = slice(P - w, t + 1)
+            n = t + 1 - (P - w)
+            out, _, _ = head.step(drafter.embed(ids[P - w + 1: t + 2]), head.fuse(feats[pairs]),
+                                  torch.arange(P - w, t + 1), None, None, torch.ones(n, n, dtype=torch.bool).tril())
+            top = drafter._draft_ids[head.logits(out[-1:])[0].topk(FAMILIAR_TOP).indices]
+            hits += int(ids[t + 2]) in top.tolist()
+        assert drafter.read_familiarity(ids, feats, window) == (hits, w - 1)
+    assert 0 < drafter.read_familiarity(ids, feats, 64)[0] < P - 1  # (neither bound: the test says something)
+
+
+def test_a_union_leaves_out_a_head_that_reads_the_prompt_as_unfamiliar(trained_llama):
+    """Under the familiarity floor the head's context key is its abstain key for the whole
+    generation: the union runs neither it alone nor the merge, never asks it for a tree or a
+    catch-up, and it keeps no taps; the output stays the target's greedy one. Over the floor
+    (or alone, where the floor does not apply) it drafts as before. This prompt's read: 3 of 7
+    tokens among the head's top three (window 8)."""
+    from selfspec.drafters import UnionDrafter
+
+    model, drafter = trained_llama
+    reference = model.generate(PROMPT, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    for floor, abstains in ((0.5, True), (0.3, False)):
+        head = drafter.with_options(min_familiar=floor, familiar_window=8)
+        calls, propose, catch_up = [], head.propose, head.catch_up
+        head.propose = lambda ctx: calls.append("propose") or propose(ctx)
+        head.catch_up = lambda *a: calls.append("catch_up") or catch_up(*a)
+        union = UnionDrafter([head, build_drafter(model, "ngram", min_ngram=1)])
+        for _ in range(3):
+            out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=30)
+            assert torch.equal(out.sequences, reference)
+            assert head.familiar == (3, 7) and head._abstain is abstains
+            assert (head._deferred == []) or not abstains
+        used = union.arm_steps[1] + union.arm_steps[3]
+        assert (used == 0 and not calls) if abstains else (used > 0 and calls), (floor, union.arm_steps)
+    alone = drafter.with_options(min_familiar=0.5, familiar_window=8)
+    out = selfspec.generate(model, PROMPT, drafter=alone, max_new_tokens=30, adaptive=False)
+    assert torch.equal(out.sequences, reference) and out.stats.mean_accepted_length > 1.5
+    assert alone.familiar is None  # (alone it never reads: only a union asks for its key)
+
+
+def test_a_short_prompt_counts_as_familiar():
+    """Fewer than ``familiar_window // 4`` predicted tokens decide nothing: the head stays in."""
+    from selfspec.drafters.base import DraftContext
+
+    model = tiny_model("llama", layers=5)
+    d = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32, min_familiar=0.9, familiar_window=64))
+    ids = PROMPT[0]  # 9 pairs, 8 predicted < 16
+    ctx = DraftContext(ids, None, 3, SamplingConfig(0.0), torch.Generator(),
+                       features=TreeTarget(model, taps=d.taps).prefill(ids).taps)
+    assert d.context_key(ctx) == 0 and d.familiar[1] == 8
+    d.reset()
+    d2 = d.with_options(familiar_window=16)  # 8 predicted >= 4: decided, and a random head is unfamiliar
+    assert d2.context_key(ctx) == d2.abstain_key == -1
+
+
 # ---------------------------------------------------------------- distribution equality
 VOCAB, NEW, SAMPLES = 6, 3, 6000
 DIST_PROMPT = [1, 2, 3]
@@ -653,6 +721,10 @@ def test_bad_options_are_refused():
         build_drafter(model, "eagle3", draft_vocab_size=16).with_options(draft_vocab_size=8)
     with pytest.raises(ValueError, match="head_weights"):
         build_drafter(model, "eagle3", head_weights="int4")
+    with pytest.raises(ValueError, match="min_familiar"):
+        build_drafter(model, "eagle3", min_familiar=1.0)
+    with pytest.raises(ValueError, match="familiar_window"):
+        build_drafter(model, "eagle3", familiar_window=4)
 
 
 def test_batched_loss_is_the_mean_of_per_example_losses(tmp_path):

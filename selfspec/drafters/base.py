@@ -154,6 +154,12 @@ class Drafter(ABC):
     #: drafter's cost), nor a merge left with fewer than two drafting members, and does not ask it
     #: for a tree there.
     empty_key: int | None = None
+    #: The context key under which this drafter drafts nothing for the rest of the generation,
+    #: a decision it took from the committed context (an EAGLE-3 head that read the prompt's last
+    #: pairs and found them unfamiliar, ``min_familiar``): a union leaves it out of every arm while
+    #: its key says so (not run alone, not merged, not asked for a tree), whatever ``skip_idle``
+    #: says, since no step of it can pay there and exploring it would cost steps.
+    abstain_key: int | None = None
     #: True when :meth:`first_guess` names, at a small part of a step's drafting cost, the token
     #: this drafter would rank first at depth 1 (an EAGLE-3 head: its catch-up and one draft LM
     #: head, no tree): a union with ``shadow=True`` then measures where the drafter's first guess

@@ -20,7 +20,14 @@ children are drawn without replacement from q (the target's temperature / top-k 
 the draft logits over the full vocabulary; tokens outside the draft vocabulary have q = 0) and
 recorded as ``Law.WOR`` with q, so the number of draws never depends on the draws themselves.
 A greedy step whose most likely first token is under the first-token floor (``min_first``) drafts
-nothing: a plain step, decided from the root's draft law alone.
+nothing: a plain step, decided from the root's draft law alone. With a familiarity floor
+(``min_familiar``) a head inside a union first *reads the prompt*: at a generation's first step it
+predicts the last ``familiar_window`` committed tokens from their own pairs (teacher-forced, one
+fused call and one draft LM head over the window) and, where they are among its top three less
+often than the floor (random strings, a language it never saw), abstains for the whole generation
+through its context key (:attr:`~selfspec.drafters.base.Drafter.abstain_key`), so the union neither
+runs nor explores it there. Both decisions read committed tokens and their taps only, never a
+draw: exact.
 A drafter holds up to three tree configurations, chosen per step (:meth:`Eagle3Drafter.tree_config`):
 its own (``cfg``), the tree of a union's merged steps (``merge_cfg``) and the tree of steps it
 drafts alone at T > 0 (``sampled_cfg``, calibrated at a temperature), all run by one head.
@@ -44,6 +51,11 @@ from .eagle3_head import Eagle3Head, default_taps, draft_layer_config
 
 
 HEAD_WEIGHTS = ("native", "int8")
+#: A prompt's familiarity (``min_familiar``) counts the tokens the head ranks among its top this
+#: many: a stored tree's first level holds up to three children; top-1 hits alone (one token in
+#: six or so on English chat prompts) separated held-out chat prompts from unfamiliar text less
+#: clearly (round 42).
+FAMILIAR_TOP = 3
 _INT8_COPIES: "weakref.WeakKeyDictionary[Eagle3Head, tuple]" = weakref.WeakKeyDictionary()  # head -> (key, copy)
 
 
@@ -74,6 +86,19 @@ class Eagle3Config:
             sum(min(p, q)), which the top probability does not bound (a flat q can match a flat
             p). Default 0 (off): at 0.2, measured in round 41, level on MT-Bench greedy, 0.97x
             for the head alone on BFCL, and on the adversarial prompts two runs disagreed.
+        min_familiar: the familiarity floor: at a generation's first step, the share of the
+            prompt's last tokens that the head, teacher-forced over the last ``familiar_window``
+            pairs, ranks among its top ``FAMILIAR_TOP`` (3) draft tokens (pair t, the taps of
+            position t and the embedding of token t + 1, predicts token t + 2; the window attends
+            within itself) is read by :meth:`Eagle3Drafter.context_key` (a union asks it every
+            step; the read runs once per generation, with the head's native weights), and under
+            this floor the key is :attr:`abstain_key` until the generation ends: a union leaves
+            the head out (it keeps no taps, runs no catch-up). Decided only with at least
+            ``familiar_window // 4`` predicted tokens (shorter prompts count as familiar). Alone
+            the head drafts as usual: it is then the only drafter, and where the target repeats
+            itself its drafts pay even on unfamiliar text (the unseen-language prompts, round
+            42), which inside a union prompt lookup covers. Default 0 (off).
+        familiar_window: how many of the prompt's last pairs the familiarity read runs over.
         sampled: at temperature > 0, draw children from q (else point-mass top tokens).
         head_weights: ``"native"`` drafts with the head's weights as they are; ``"int8"`` with an
             int8 weight-only copy of its linear layers (:mod:`selfspec.int8_linear`: half the
@@ -89,6 +114,8 @@ class Eagle3Config:
     branch: int = 4
     min_score: float = 0.0
     min_first: float = 0.0
+    min_familiar: float = 0.0
+    familiar_window: int = 64
     sampled: bool = True
     head_weights: str = "native"
 
@@ -96,7 +123,9 @@ class Eagle3Config:
         for name in ("draft_vocab_size", "max_depth", "max_nodes", "width", "branch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("min_score", "min_first"):
+        if self.familiar_window < 8:
+            raise ValueError(f"familiar_window must be >= 8, got {self.familiar_window}")
+        for name in ("min_score", "min_first", "min_familiar"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.head_weights not in HEAD_WEIGHTS:
@@ -110,6 +139,7 @@ class Eagle3Drafter(Drafter):
 
     kind = "eagle3"
     guesses_first = True  # its catch-up and one draft LM head name its first token (first_guess)
+    abstain_key = -1  # the prompt read unfamiliar (min_familiar): a union leaves it out this generation
 
     def __init__(self, model, cfg: Eagle3Config, head: Eagle3Head, signature: TargetSignature | None = None):
         super().__init__(signature or TargetSignature.of(model))
@@ -143,6 +173,8 @@ class Eagle3Drafter(Drafter):
         self.cached = 0
         self._last = None  # [1, H] output of the last committed pair
         self._deferred: list[torch.Tensor] = []  # taps shown in skipped steps, run at the next catch-up
+        self.familiar: tuple[int, int] | None = None  # (hits, predicted) of this generation's prompt read
+        self._abstain: bool | None = None  # this generation's familiarity decision (None: not taken)
 
     def config_dict(self) -> dict:
         return asdict(self.cfg)
@@ -230,9 +262,52 @@ class Eagle3Drafter(Drafter):
         self._last = out[-1:]
         return self._last
 
+    def context_key(self, ctx: DraftContext) -> int:
+        """:attr:`abstain_key` in a generation whose prompt the head read as unfamiliar
+        (``min_familiar``), else 0 (no signal)."""
+        return self.abstain_key if self.abstains(ctx) else 0
+
+    @torch.no_grad()
+    def abstains(self, ctx: DraftContext) -> bool:
+        """Whether the head abstains from a union in this generation (``min_familiar``; decided
+        once, at the generation's first :meth:`context_key`, from the prompt's last
+        ``familiar_window`` pairs; False when first asked after the head ran)."""
+        if self._abstain is None:
+            floor = max(c.min_familiar for c in (self.cfg, self.merge_cfg, self.sampled_cfg) if c is not None)
+            self._abstain = False
+            if floor > 0 and self.cached == 0 and not self._deferred:
+                self.familiar = self.read_familiarity(ctx.tokens, ctx.features, self.cfg.familiar_window)
+                hits, predicted = self.familiar
+                self._abstain = predicted >= self.cfg.familiar_window // 4 and hits < floor * predicted
+        return self._abstain
+
+    @torch.no_grad()
+    def read_familiarity(self, tokens: torch.Tensor, features: torch.Tensor | None, window: int) -> tuple[int, int]:
+        """``(hits, predicted)``: how many of the last committed tokens the head ranks among its
+        top :data:`FAMILIAR_TOP` draft tokens from their own pairs, teacher-forced over the last
+        ``window`` pairs in one call attending within the window. ``tokens``: ``[P + 1]``;
+        ``features``: ``[m, 3H]`` taps of positions P - m .. P - 1. Pair t predicts token t + 2,
+        so w pairs predict w - 1 known tokens."""
+        if features is None or features.shape[0] < 2:
+            return 0, 0
+        w = min(window, features.shape[0])
+        committed = tokens.shape[0] - 1
+        dev, dtype = self._device_dtype()
+        head = self.head  # (native weights: an int8 copy costs about three times as much over 64 rows)
+        positions = torch.arange(committed - w, committed, device=dev)
+        feats = head.fuse(features[-w:].to(dev, dtype))
+        embeds = self.embed(tokens[committed - w + 1: committed + 1].to(dev)).to(dtype)
+        out, _, _ = head.step(embeds, feats, positions, None, None, torch.ones(w, w, dtype=torch.bool).tril())
+        logits = head.logits(out[:-1])
+        guess = self._draft_ids[logits.topk(min(FAMILIAR_TOP, logits.shape[-1]), dim=-1).indices.cpu()]
+        return int((guess == tokens[committed - w + 2:, None].cpu()).any(-1).sum()), w - 1
+
     def skip(self, ctx: DraftContext) -> None:
         """Not drafting this step (inside a union): keep the new committed positions' taps for the
-        next catch-up, which runs all of them in one call (a skipped step costs nothing)."""
+        next catch-up, which runs all of them in one call (a skipped step costs nothing). A head
+        that abstains keeps nothing: no union asks it again in this generation."""
+        if self._abstain:
+            return
         if ctx.features is not None and ctx.features.shape[0]:
             self._deferred.append(ctx.features)
 

@@ -341,12 +341,14 @@ class UnionDrafter(Drafter):
         self._arm, self._pending, self._asked = len(self.arms) - 1, None, set()
 
     def idle_members(self, state: tuple[int, ...]) -> set[int]:
-        """Members whose key in context ``state`` is their :attr:`~Drafter.empty_key` (they would
-        draft nothing: prompt lookup without a match); none with ``skip_idle=False``."""
-        if not self.skip_idle:
-            return set()
-        return {m for m, member in enumerate(self.members) if member.empty_key is not None
-                and state[m] == member.empty_key}
+        """Members whose key in context ``state`` is their :attr:`~Drafter.abstain_key` (they draft
+        nothing for the rest of the generation: an EAGLE-3 head that read the prompt as
+        unfamiliar), and with ``skip_idle=True`` those whose key is their
+        :attr:`~Drafter.empty_key` (they would draft nothing this step: prompt lookup without a
+        match)."""
+        return {m for m, member in enumerate(self.members)
+                if (member.abstain_key is not None and state[m] == member.abstain_key)
+                or (self.skip_idle and member.empty_key is not None and state[m] == member.empty_key)}
 
     def live_arms(self, state: tuple[int, ...]) -> list[int]:
         """The arms worth running in context ``state``: plain steps; each member alone unless idle
@@ -356,7 +358,7 @@ class UnionDrafter(Drafter):
         merged tree, which on the adversarial prompts the union ran as its best arm 14 times in
         12 generations, at 1.2 tokens a step where plain steps were faster, round 37). Its idle
         members are not asked in a merged step. With ``skip_idle=False`` (the default), every
-        arm."""
+        arm but those of a member that abstains (:attr:`~Drafter.abstain_key`)."""
         idle = self.idle_members(state)
         return [a for a, arm in enumerate(self.arms)
                 if not arm or (len(arm) == 1 and arm[0] not in idle) or len(set(arm) - idle) >= 2]

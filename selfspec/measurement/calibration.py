@@ -233,3 +233,28 @@ def measured_search(model, make, prompts: list[torch.Tensor], budgets: list[int]
     speedups = {b: pooled_speedup(runs[b]) for b in budgets}
     best = max(speedups, key=speedups.get)
     return (best if speedups[best] > 1.0 else 0), speedups
+
+
+def prompt_familiarity(model, drafter, prompts: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(hits, predicted)`` of an EAGLE-3 head's familiarity read
+    (:meth:`~selfspec.drafters.eagle3.Eagle3Drafter.read_familiarity`, its ``familiar_window``) on
+    each prompt (``[L]`` or ``[1, L]`` token ids), from the taps a generation's first step hands
+    over (a :class:`~selfspec.target.TreeTarget` prefill of the prompt, as the engine runs it)."""
+    from ..target import TreeTarget
+
+    target, out = TreeTarget(model, taps=drafter.taps), []
+    for ids in prompts:
+        ids = ids.reshape(-1)
+        out.append(drafter.read_familiarity(ids, target.prefill(ids).taps, drafter.cfg.familiar_window))
+    return out
+
+
+def familiarity_floor(shares: list[float], margin: float = 0.75, step: float = 0.01) -> float:
+    """The familiarity floor (``min_familiar``) for a head whose held-out chat prompts read
+    ``shares`` (hits / predicted): ``margin`` times the lowest share, rounded down to a multiple
+    of ``step``, so that no held-out chat prompt falls under it, with room for prompts a little
+    less familiar than any of them (round 42: lowest held-out chat share 0.079 over 236 prompts,
+    the adversarial prompts' 0.000-0.032; floor 0.05). 0 (off) without shares."""
+    if not shares:
+        return 0.0
+    return math.floor(margin * min(shares) / step + 1e-9) * step
