@@ -344,6 +344,7 @@ def calibrate_familiarity(args, model, tok, drafter, meta: dict) -> None:
     if args.dry_run:
         return
     meta["config"]["min_familiar"] = floor
+    meta["config"]["familiar_window"] = drafter.cfg.familiar_window
     meta.setdefault("extra", {})["familiarity"] = record
     atomic_write_text(Path(args.checkpoint) / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
     print(f"stored in {Path(args.checkpoint) / CONFIG_FILE} (config.min_familiar)")

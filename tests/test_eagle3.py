@@ -709,6 +709,41 @@ def test_a_floor_stored_with_the_own_tree_reaches_every_tree(tmp_path):
         load_drafter(tmp_path / "d", model)
 
 
+def test_the_familiarity_floor_sits_under_every_held_out_share_and_is_stored_for_every_tree(tmp_path):
+    """``familiarity_floor``: three quarters of the lowest held-out share, rounded down to 0.01 (no
+    held-out prompt falls under it); ``prompt_familiarity`` is the drafter's own read of each
+    prompt's prefill taps; a floor stored in the head's config reaches the union's merged-step
+    tree and the tree of sampled steps (``abstains`` reads the highest of them)."""
+    import json
+
+    from selfspec.checkpoint import CONFIG_FILE
+    from selfspec.drafters import union_member
+    from selfspec.measurement.calibration import familiarity_floor, prompt_familiarity
+    from selfspec.measurement.machine import machine_key
+
+    assert familiarity_floor([0.30, 0.079, 0.5]) == pytest.approx(0.05)
+    assert familiarity_floor([0.08]) == pytest.approx(0.06) and familiarity_floor([]) == 0.0
+    assert all(familiarity_floor(v) < min(v) for v in ([0.01], [0.2, 0.9], [0.013]))
+    model = tiny_model("llama", layers=5)
+    d = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32, familiar_window=8))
+    prompts = [PROMPT[0], torch.tensor([4, 8, 15, 16, 23, 42, 7, 1, 2, 3, 5])]
+    got = prompt_familiarity(model, d, prompts)
+    for ids, read in zip(prompts, got):
+        assert read == d.read_familiarity(ids, TreeTarget(model, taps=d.taps).prefill(ids).taps, 8)
+    save_drafter(d, tmp_path / "d")
+    meta = json.loads((tmp_path / "d" / CONFIG_FILE).read_text())
+    meta["config"]["min_familiar"] = 0.05
+    here = machine_key("float64", "cpu")
+    meta["extra"] = {"options_by_dtype": {here: {"max_nodes": 2}},
+                     "options_sampled_by_dtype": {here: {"max_nodes": 3, "width": 2, "branch": 2}},
+                     "options_in_union_by_dtype": {here: {"max_nodes": 4, "width": 2, "branch": 2}}}
+    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
+    head = load_drafter(tmp_path / "d", model)
+    member = union_member(head)
+    assert head.cfg.min_familiar == head.sampled_cfg.min_familiar == member.merge_cfg.min_familiar == 0.05
+    assert member.cfg.familiar_window == 8
+
+
 def test_bad_options_are_refused():
     model = tiny_model("llama", layers=5)
     with pytest.raises(ValueError, match="unknown eagle3"):

@@ -958,6 +958,49 @@ def test_arms_that_an_idle_member_makes_redundant_are_not_run():
     assert control[0] & {2, 3}, control  # the negative control runs them where the lookup is idle
 
 
+def test_a_member_that_abstains_is_left_out_and_plain_steps_are_tried_only_where_lookup_is_idle():
+    """A head whose key is its :attr:`~selfspec.drafters.base.Drafter.abstain_key` (it read the
+    prompt as unfamiliar) is left out of every arm, whatever ``skip_idle`` says: never asked for
+    a tree, told to skip every step; the union chooses between plain steps and the lookup alone.
+    A fresh union's trial of plain steps (until ``min_samples`` are measured) runs where the lookup
+    is idle, not where it matches (a plain step there costs the lookup's chain). Output exact.
+    With the head's key 0 (no abstention) the same union runs it."""
+    clock = _Clock()
+    Head = _catching_up_head(clock, per_position=0.0, per_draft=0.2)
+    Lookup = _stretch_lookup(clock, lambda ctx: ctx.tokens.shape[0] >= 4 and (ctx.tokens.shape[0] // 40) % 2 == 0)
+    asked = []
+
+    class Shy(Head):
+        abstain_key = -1
+        abstaining = True
+
+        def context_key(self, ctx):
+            return self.abstain_key if self.abstaining else 0
+
+        def propose(self, ctx):
+            asked.append(ctx.tokens.shape[0])
+            return super().propose(ctx)
+
+    class Idle(Lookup):
+        empty_key = 0
+
+    reference = decode(table_target(), torch.tensor([1, 2]), None, SamplingConfig(0.0), torch.Generator(), 420,
+                       set(), 1000).sequences[0].tolist()
+    for abstaining in (True, False):
+        head = Shy(reference, 6, depth=2, sibling=False)
+        head.abstaining = abstaining
+        union = UnionDrafter([head, Idle(reference, 6, depth=6, sibling=False)], clock=clock)
+        steps = _watch_arms(union)
+        asked.clear()
+        _plain_race_speed(clock, union, reference, 400)
+        if abstaining:
+            assert not asked and {arm for _, arm in steps} <= {0, 2}, union.arm_steps
+            assert union.arm_steps[0] >= union.min_samples and union.arm_steps[2] > 0, union.arm_steps
+            assert all(arm == 2 for key, arm in steps[:8] if key == 4), steps[:8]  # no plain trial on a match
+        else:
+            assert asked and union.arm_steps[1] + union.arm_steps[3] > 0, union.arm_steps
+
+
 def test_a_member_alones_speed_is_kept_apart_where_another_member_is_idle():
     """Merged steps run only where the lookup matches and credit the head with what it alone would
     have accepted there (where an output copies its context a head is right more often too); the

@@ -37,7 +37,12 @@ over all states. A member may declare the key under which it drafts nothing
 ``skip_idle=True`` the union then runs, in such a state, neither that member alone (a plain step at
 a drafter's cost) nor a merge left with fewer than two members that draft (one member's merged tree
 at a merge's cost), and does not ask it for a tree (:meth:`UnionDrafter.live_arms`; off by default:
-it did not pay where measured, round 37). At most one step in
+it did not pay where measured, round 37). A member may also declare the key under which it
+*abstains* for the rest of the generation (:attr:`~selfspec.drafters.base.Drafter.abstain_key`:
+an EAGLE-3 head whose read of the prompt found it unfamiliar, ``min_familiar``); the union then
+leaves it out of every arm there whatever ``skip_idle`` says: on the adversarial prompts a fresh
+union's exploring of a head that could not pay there was most of its loss to prompt lookup alone
+(round 42). At most one step in
 ``probe_every`` probes another arm, so all estimates stay current. Probes are scheduled per
 arm and its members' keys, like its speed (plain steps once for all states): an arm whose probe
 finds it still more than 10% slower than the best is probed half as often (down to every
@@ -465,12 +470,17 @@ class UnionDrafter(Drafter):
         # borrows its speed over all states; plain steps, where a member is idle, until min_samples
         # of them are measured (for all states: their modeled price, a merged step's less drafting,
         # overstates them by the merged tree's verify cost, and the idle member's empty drafts
-        # measured them before `live_arms`; one slow first step must not price them for long)
+        # measured them before `live_arms`; one slow first step must not price them for long).
+        # Not where every member that declares an empty key drafts (a head that abstains leaves
+        # arms out in every state: plain steps tried where prompt lookup matches cost its chain)
         live = self.live_arms(state)
         guess = [r if a in live else None for a, r in enumerate(self.estimates(state))]
+        idle_here = any(member.empty_key is not None and state[m] == member.empty_key
+                        for m, member in enumerate(self.members))
         unknown = [a for a, r in enumerate(guess) if a in live
                    and (r is None or (len(self.arms[a]) == 1 and keys[a] not in self.token_sums)
-                        or (a == 0 and self.plain_steps < self.min_samples and len(live) < len(self.arms)))]
+                        or (a == 0 and self.plain_steps < self.min_samples and len(live) < len(self.arms)
+                            and idle_here))]
         unknown.sort(key=lambda a: -len(self.arms[a]))  # the merge first: its steps measure every member
         best = self._best(self._with_switching(guess, state, since) if self.switch_cost else guess, state)
         probe = False
