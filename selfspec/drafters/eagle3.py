@@ -96,7 +96,7 @@ class Eagle3Config:
             the head out (it keeps no taps, runs no catch-up). Decided only with at least
             ``familiar_window // 4`` predicted tokens (shorter prompts count as familiar). Alone
             the head drafts as usual: it is then the only drafter, and where the target repeats
-            itself its drafts pay even on unfamiliar text (the unseen-language prompts, round
+            itself its drafts can pay even on unfamiliar text (the unseen-language prompts, round
             42), which inside a union prompt lookup covers. Default 0 (off).
         familiar_window: how many of the prompt's last pairs the familiarity read runs over.
         sampled: at temperature > 0, draw children from q (else point-mass top tokens).
@@ -293,7 +293,7 @@ class Eagle3Drafter(Drafter):
         w = min(window, features.shape[0])
         committed = tokens.shape[0] - 1
         dev, dtype = self._device_dtype()
-        head = self.head  # (native weights: an int8 copy costs about three times as much over 64 rows)
+        head = self.head  # (native weights: an int8 copy costs two to three times as much over 64 rows)
         positions = torch.arange(committed - w, committed, device=dev)
         feats = head.fuse(features[-w:].to(dev, dtype))
         embeds = self.embed(tokens[committed - w + 1: committed + 1].to(dev)).to(dtype)
