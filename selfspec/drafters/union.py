@@ -40,9 +40,9 @@ at a merge's cost), and does not ask it for a tree (:meth:`UnionDrafter.live_arm
 it did not pay where measured, round 37). A member may also declare the key under which it
 *abstains* for the rest of the generation (:attr:`~selfspec.drafters.base.Drafter.abstain_key`:
 an EAGLE-3 head whose read of the prompt found it unfamiliar, ``min_familiar``); the union then
-leaves it out of every arm there whatever ``skip_idle`` says: on the adversarial prompts a fresh
-union's exploring of a head that could not pay there was most of its loss to prompt lookup alone
-(round 42). At most one step in
+leaves it out of every arm there whatever ``skip_idle`` says (on the adversarial prompts a fresh
+union otherwise explored such a head where prompt lookup was idle, 1-3 tokens a step at up to
+twice a plain step's time, up to 16 times in one generation; round 42). At most one step in
 ``probe_every`` probes another arm, so all estimates stay current. Probes are scheduled per
 arm and its members' keys, like its speed (plain steps once for all states): an arm whose probe
 finds it still more than 10% slower than the best is probed half as often (down to every
