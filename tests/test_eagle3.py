@@ -680,33 +680,46 @@ def test_load_drafter_prefers_the_tree_calibrated_on_this_class_of_machine(tmp_p
         assert head.cfg.max_nodes == want and sampled.max_nodes == want, (table, want)
 
 
-def test_a_floor_stored_with_the_own_tree_reaches_every_tree(tmp_path):
-    """``min_first`` stored in the own tree's entry applies to the tree of steps drafted alone at
-    T > 0 and to the union's merged steps too, whose entries here hold shapes only; an invalid
-    floor is refused at load time."""
+def _stored_with_every_tree(model, drafter, folder, own: dict, config: dict | None = None):
+    """Save ``drafter`` in ``folder`` with an own tree entry ``own`` for this machine, a tree of
+    sampled steps (3 nodes) and a union tree (4 nodes) holding shapes only, and ``config`` merged
+    into its config; returns ``(write, meta)``: ``write(meta)`` rewrites the folder's
+    ``drafter.json`` and loads it, giving ``(head, its union member)``."""
     import json
 
     from selfspec.checkpoint import CONFIG_FILE
     from selfspec.drafters import union_member
     from selfspec.measurement.machine import machine_key
 
-    model = tiny_model("llama", layers=5)
-    save_drafter(build_drafter(model, "eagle3", draft_vocab_size=32, max_depth=2, width=1, branch=1, max_nodes=2),
-                 tmp_path / "d")
-    meta = json.loads((tmp_path / "d" / CONFIG_FILE).read_text())
+    save_drafter(drafter, folder)
+    meta = json.loads((folder / CONFIG_FILE).read_text())
+    meta["config"].update(config or {})
     here = machine_key("float64", "cpu")
-    meta["extra"] = {"options_by_dtype": {here: {"max_nodes": 2, "min_first": 0.2}},
+    meta["extra"] = {"options_by_dtype": {here: own},
                      "options_sampled_by_dtype": {here: {"max_nodes": 3, "width": 2, "branch": 2}},
                      "options_in_union_by_dtype": {here: {"max_nodes": 4, "width": 2, "branch": 2}}}
-    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
-    head = load_drafter(tmp_path / "d", model)
-    member = union_member(head)
+
+    def write(meta):
+        (folder / CONFIG_FILE).write_text(json.dumps(meta))
+        head = load_drafter(folder, model)
+        return head, union_member(head)
+
+    return write, meta
+
+
+def test_a_floor_stored_with_the_own_tree_reaches_every_tree(tmp_path):
+    """``min_first`` stored in the own tree's entry applies to the tree of steps drafted alone at
+    T > 0 and to the union's merged steps too, whose entries here hold shapes only; an invalid
+    floor is refused at load time."""
+    model = tiny_model("llama", layers=5)
+    d = build_drafter(model, "eagle3", draft_vocab_size=32, max_depth=2, width=1, branch=1, max_nodes=2)
+    write, meta = _stored_with_every_tree(model, d, tmp_path / "d", {"max_nodes": 2, "min_first": 0.2})
+    head, member = write(meta)
     assert head.cfg.min_first == head.sampled_cfg.min_first == member.merge_cfg.min_first == 0.2
     assert (head.sampled_cfg.max_nodes, member.merge_cfg.max_nodes) == (3, 4)
-    meta["extra"]["options_by_dtype"][here]["min_first"] = 1.5
-    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
+    next(iter(meta["extra"]["options_by_dtype"].values()))["min_first"] = 1.5
     with pytest.raises(CheckpointError, match="min_first"):
-        load_drafter(tmp_path / "d", model)
+        write(meta)
 
 
 def test_the_familiarity_floor_sits_under_every_held_out_share_and_is_stored_for_every_tree(tmp_path):
@@ -714,12 +727,7 @@ def test_the_familiarity_floor_sits_under_every_held_out_share_and_is_stored_for
     held-out prompt falls under it); ``prompt_familiarity`` is the drafter's own read of each
     prompt's prefill taps; a floor stored in the head's config reaches the union's merged-step
     tree and the tree of sampled steps (``abstains`` reads the highest of them)."""
-    import json
-
-    from selfspec.checkpoint import CONFIG_FILE
-    from selfspec.drafters import union_member
     from selfspec.measurement.calibration import familiarity_floor, prompt_familiarity
-    from selfspec.measurement.machine import machine_key
 
     assert familiarity_floor([0.30, 0.079, 0.5]) == pytest.approx(0.05)
     assert familiarity_floor([0.08]) == pytest.approx(0.06) and familiarity_floor([]) == 0.0
@@ -730,16 +738,8 @@ def test_the_familiarity_floor_sits_under_every_held_out_share_and_is_stored_for
     got = prompt_familiarity(model, d, prompts)
     for ids, read in zip(prompts, got):
         assert read == d.read_familiarity(ids, TreeTarget(model, taps=d.taps).prefill(ids).taps, 8)
-    save_drafter(d, tmp_path / "d")
-    meta = json.loads((tmp_path / "d" / CONFIG_FILE).read_text())
-    meta["config"]["min_familiar"] = 0.05
-    here = machine_key("float64", "cpu")
-    meta["extra"] = {"options_by_dtype": {here: {"max_nodes": 2}},
-                     "options_sampled_by_dtype": {here: {"max_nodes": 3, "width": 2, "branch": 2}},
-                     "options_in_union_by_dtype": {here: {"max_nodes": 4, "width": 2, "branch": 2}}}
-    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
-    head = load_drafter(tmp_path / "d", model)
-    member = union_member(head)
+    write, meta = _stored_with_every_tree(model, d, tmp_path / "d", {"max_nodes": 2}, {"min_familiar": 0.05})
+    head, member = write(meta)
     assert head.cfg.min_familiar == head.sampled_cfg.min_familiar == member.merge_cfg.min_familiar == 0.05
     assert member.cfg.familiar_window == 8
 

@@ -475,12 +475,11 @@ class UnionDrafter(Drafter):
         # arms out in every state: plain steps tried where prompt lookup matches cost its chain)
         live = self.live_arms(state)
         guess = [r if a in live else None for a, r in enumerate(self.estimates(state))]
-        idle_here = any(member.empty_key is not None and state[m] == member.empty_key
-                        for m, member in enumerate(self.members))
         unknown = [a for a, r in enumerate(guess) if a in live
                    and (r is None or (len(self.arms[a]) == 1 and keys[a] not in self.token_sums)
                         or (a == 0 and self.plain_steps < self.min_samples and len(live) < len(self.arms)
-                            and idle_here))]
+                            and any(member.empty_key is not None and state[m] == member.empty_key
+                                    for m, member in enumerate(self.members))))]
         unknown.sort(key=lambda a: -len(self.arms[a]))  # the merge first: its steps measure every member
         best = self._best(self._with_switching(guess, state, since) if self.switch_cost else guess, state)
         probe = False
