@@ -62,7 +62,9 @@ def main(argv=None) -> None:
                     help="tool-call: every run (baseline too) must answer with one call to the question's tools "
                          "(grammar mask at every tree node; the baseline is constrained plain decoding)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16 or auto")
+    ap.add_argument("--dtype", default="auto",
+                    help="target dtype: float32, bfloat16 or auto (default: bfloat16 where it runs natively and "
+                         "measures faster here, else float32; the result records the dtype it ran)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--no-adaptive", action="store_true", help="selfspec methods draft every step")
     ap.add_argument("--repeats", type=int, default=1,
@@ -87,6 +89,7 @@ def main(argv=None) -> None:
 
     prov = benchmark.provenance()  # the code as it is when the run starts
     model, tokenizer = selfspec.load_target(args.model, dtype=args.dtype)
+    args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # what "auto" chose
     questions = []
     for path in args.questions:
         qs = load_questions(path)
@@ -173,8 +176,9 @@ def write(out: str, args: dict, records, command: str, title: str = "", prov: di
         json.dump({"args": args, "command": command, "provenance": prov or benchmark.provenance(), "summary": summary,
                    "records": benchmark.as_rows(records)}, f, indent=1)
     os.replace(tmp, out + ".json")
+    where = benchmark.divergence_table(summary)  # (the full report only: where each greedy output left plain's)
     with open(out + ".md", "w") as f:
-        f.write(f"`{command}`\n\n{table}\n")
+        f.write(f"`{command}`\n\n{table}\n" + (f"\n{where}\n" if where else ""))
     overall = benchmark.markdown_table({"overall": summary["overall"]})
     with open(out + "_overall.md", "w") as f:
         f.write(f"`{command}`\n\n{overall}\n")

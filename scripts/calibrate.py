@@ -164,7 +164,9 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default=selfspec.DEFAULT_TARGET)
     ap.add_argument("--prompts", type=int, default=None,
                     help="calibration prompts (default 8; eagle3: at most 24, raced in batches of 4)")
-    ap.add_argument("--dtype", default="float32", help="target dtype the tree is calibrated for (float32, bfloat16)")
+    ap.add_argument("--dtype", default="auto",
+                    help="target dtype the tree is calibrated for: float32, bfloat16 or auto (default: the dtype "
+                         "load_target picks here, bfloat16 where it runs natively and measures faster)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--max-nodes", type=int, default=16, help="largest tree measured (root excluded)")
     ap.add_argument("--width", type=int, default=None, help="layer-skip: widest level searched (default: the checkpoint's)")
@@ -184,6 +186,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, tok = selfspec.load_target(args.target, dtype=args.dtype)
+    args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # what "auto" chose: the tree's key
     drafter = load_drafter(args.checkpoint, model)
     meta, _ = read_checkpoint(args.checkpoint)
     if args.familiarity:

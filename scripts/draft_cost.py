@@ -150,7 +150,7 @@ def main(argv=None) -> None:
             f"{cfg['head_weights']}, {args.dtype} target, {torch.get_num_threads()} threads; mean accepted length "
             f"{mat:.2f}:\n\n| part | ms / step |\n|---|---|\n{rows}\n")
     print(text)
-    write_result(args.out, {"command": command, "provenance": prov, "threads": torch.get_num_threads(),
+    write_result(args.out, {"command": command, "provenance": prov, "dtype": args.dtype, "threads": torch.get_num_threads(),
                             "tree": cfg, "ms_per_step": ms, "mean_accepted_length": mat, "prompts": texts}, text)
 
 

@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     meta = json.loads(open(os.path.join(args.checkpoint, "drafter.json"), encoding="utf-8").read())
     target = args.target or meta.get("extra", {}).get("training", {}).get("target") or selfspec.DEFAULT_TARGET
-    model, _ = selfspec.load_target(target)
+    model, _ = selfspec.load_target(target, dtype="float32")  # (the export casts to --dtype)
     drafter = selfspec.load_drafter(args.checkpoint, model)
     out = export_drafter(drafter, args.out, args.format, dtype=getattr(torch, args.dtype), target_path=target,
                          overwrite=args.overwrite)

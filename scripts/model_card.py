@@ -60,13 +60,33 @@ ROOT = Path(__file__).resolve().parents[1]
 CARDS = ROOT / "checkpoints" / "cards.json"
 
 
-def _kind_lines(kind: str, cfg: dict) -> list[str]:
-    """What the drafter is, from its stored config."""
+def _tree(o: dict) -> str:
+    return f"{o['max_depth']}/{o['width']}/{o['max_nodes']}"
+
+
+def _stored_trees(cfg: dict, extra: dict) -> str:
+    """The dynamic trees an eagle3 checkpoint carries, per target dtype and CPU class (what
+    ``load_drafter`` picks from), and the one in ``config`` for dtypes with no entry."""
+    parts = []
+    for table, what in (("options_by_dtype", "alone"), ("options_in_union_by_dtype", "inside unions"),
+                        ("options_sampled_by_dtype", "sampled steps (T > 0)")):
+        entries = extra.get(table) or {}
+        if entries:
+            parts.append(f"{what}: " + ", ".join(f"{_tree(o)} (`{k}`)" for k, o in entries.items()))
+    tail = (f"for a dtype with no entry of its own, {_tree(cfg)} (inside unions and for sampled steps, where the "
+            "dtype has no entry there, the head's own tree)")
+    return ("Dynamic trees (depth / width / nodes) by target dtype and class of CPU: " + "; ".join(parts) + "; "
+            + tail + "." if parts else f"Dynamic tree: depth <= {cfg['max_depth']}, width {cfg['width']}, "
+            f"{cfg['max_nodes']} nodes.")
+
+
+def _kind_lines(kind: str, cfg: dict, extra: dict | None = None) -> list[str]:
+    """What the drafter is, from its stored config (and, for eagle3, the trees stored per dtype)."""
     if kind == "eagle3":
         return ["EAGLE-3-class head: one decoder layer over the target's fused hidden states at taps "
                 f"{cfg['taps']} (inputs of those layers), the embedding of the last drafted token and its "
                 f"own previous output; LM head over a reduced vocabulary of {cfg['draft_vocab_size']} tokens. "
-                f"Dynamic tree: depth <= {cfg['max_depth']}, width {cfg['width']}, {cfg['max_nodes']} nodes.", ""]
+                + _stored_trees(cfg, extra or {}), ""]
     if kind == "medusa":
         return [f"Medusa heads: {cfg['num_heads']} heads, head k a stack of {cfg['num_layers']} residual block(s) "
                 "`x + SiLU(W x + b)` on the target's last hidden state, then the target's frozen LM head"
@@ -175,7 +195,7 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
     lines = [f"# {ckpt.name}", "",
              f"A selfspec `{meta['kind']}` drafter for `{training.get('target') or target}` "
              f"(target fingerprint `{meta['target']['fingerprint']}`; `load_drafter` refuses any other target).", ""]
-    lines += _kind_lines(meta["kind"], cfg)
+    lines += _kind_lines(meta["kind"], cfg, extra)
     if about:
         lines += [about, ""]
     if training:
@@ -210,8 +230,15 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
                       f"{extra['vocab_in_use_coverage']:.3f} of the latest run's held-out response tokens.", ""]
     lines += _eval_lines(meta["kind"], ev)
     lines += _calibration_lines(extra)
-    if costs:
-        c = json.loads((ROOT / costs).read_text(encoding="utf-8"))
+    c = json.loads((ROOT / costs).read_text(encoding="utf-8")) if costs else {}
+    if "ms_per_step" in c:  # scripts/draft_cost.py
+        t, ms = c["tree"], c["ms_per_step"]
+        lines += [f"## Draft-step cost ({c.get('dtype', 'bfloat16')}, `{costs}`)", "",
+                  f"Median milliseconds per speculative step, drafting every step on held-out chat prompts, tree "
+                  f"{_tree(t)} (depth / width / nodes), head weights {t['head_weights']}, {c['threads']} threads, "
+                  f"mean accepted length {c['mean_accepted_length']:.2f} (`{c['command']}`):", "",
+                  "| part | ms / step |", "|---|---|"] + [f"| {part} | {v:.1f} |" for part, v in ms.items()] + [""]
+    elif c:  # scripts/profile_draft.py
         d = c["draft"]
         lines += [f"## Draft-step cost ({c['dtype']}, `{costs}`)", "",
                   f"propose {d['propose_s'] * 1e3:.1f} ms for {d['tree']}: per level the draft layer "
@@ -252,7 +279,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", nargs="?")
     ap.add_argument("--results", nargs="*", default=[])
-    ap.add_argument("--costs", default=None, help="scripts/profile_draft.py output (.json)")
+    ap.add_argument("--costs", default=None, help="scripts/draft_cost.py or scripts/profile_draft.py output (.json)")
     ap.add_argument("--all", action="store_true", help="every card in checkpoints/cards.json")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a card differs")
     args = ap.parse_args(argv)

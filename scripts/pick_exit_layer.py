@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="checkpoint folder for the chosen training-free drafter")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
-    model, tok = selfspec.load_target(args.target)
+    model, tok = selfspec.load_target(args.target, dtype="float32")  # (as measured and stored before dtype="auto")
     prompts = [encode_chat(tok, [{"role": "user", "content": p}]) for p in calibration_prompts(SHARED, args.prompts)]
     seqs = []
     for ids in prompts:

@@ -183,7 +183,7 @@ def resolve_dtype(dtype, device: str = "cpu") -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str | None = None, device=None,
+def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str | None = "auto", device=None,
                 allow_download: bool = False, prepack: bool | None = None, packed_attention: bool | None = None,
                 skinny: bool | None = None):
     """Load a target model and its tokenizer.
@@ -192,9 +192,13 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
         name_or_path: an alias (see :data:`ALIASES`), a local HF folder, a local ``.gguf`` file,
             or a hub id (found in the local Hugging Face cache; downloaded only with
             ``allow_download=True``).
-        dtype: parameter dtype (a torch dtype or its name); default float32 (GGUF files are
-            dequantised to it); ``"auto"``: bfloat16 where this hardware runs it natively and it
-            measures faster, else float32.
+        dtype: parameter dtype (a torch dtype or its name; GGUF files are dequantised to it).
+            Default ``"auto"``: the fastest setting here, bfloat16 where this hardware runs it
+            natively and it measures faster (:func:`bf16_faster_here`), else float32. In bf16,
+            speculative greedy output equals plain bf16 greedy except at near-ties its rounding
+            flips, and bf16 greedy itself differs from float32 greedy; pass
+            ``"float32"`` (or ``None``) where token identity with float32 decoding matters
+            (training, the exactness tests).
         device: default ``"cuda"`` when available, else ``"cpu"``.
         allow_download: let a hub id download (off by default: nothing is fetched at run time).
         prepack: reorder the linear layers' weights once into oneDNN's layout

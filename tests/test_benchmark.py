@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import pytest
 
-from selfspec.measurement.benchmark import Record, from_rows, markdown_table, summarise
+from selfspec.measurement.benchmark import Record, divergence_table, from_rows, markdown_table, summarise
 
 
 def rec(qid, cat, method, tokens, time_s, steps, identical=True):
@@ -27,6 +27,21 @@ def test_speedup_is_a_rate_ratio_per_category_and_overall():
     assert s["a"]["baseline"]["speedup"] == pytest.approx(1.0)
     assert list(s)[-1] == "overall"
     assert "| b | x | 1 |" in markdown_table(s)
+
+
+def test_the_identity_column_says_where_and_why_outputs_diverged():
+    """A bf16 greedy output that left plain greedy: the table's identity column gives the near-tie
+    count and the widest top-2 margin, the divergence table each turn's first divergent token,
+    margin and rounding gap, and flags one the rounding cannot explain."""
+    records = [rec("1", "a", "baseline", 100, 10.0, 100), rec("1", "a", "x", 100, 5.0, 40, identical=False),
+               rec("2", "a", "baseline", 100, 10.0, 100), rec("2", "a", "x", 100, 5.0, 40, identical=False)]
+    records[1].divergence = dict(position=22, margin=0.0625, rounding_gap=0.05, ulp=0.0156, explained=True)
+    records[3].divergence = dict(position=3, margin=1.5, rounding_gap=0.05, ulp=0.0156, explained=False)
+    s = summarise(records)
+    assert "| 0% (1/2 near-ties, margin <= 1.5) |" in markdown_table(s)
+    where = divergence_table(s)
+    assert "| x | 1 | 1 | 22 | 0.0625 | 0.05 | yes |" in where and "| x | 2 | 1 | 3 | 1.5 | 0.05 | NO |" in where
+    assert divergence_table(summarise([rec("1", "a", "baseline", 9, 1.0, 9), rec("1", "a", "x", 9, 1.0, 3)])) == ""
 
 
 def test_speedup_intervals_and_unions_against_their_members():

@@ -1084,28 +1084,39 @@ def test_medusa_export_layout(tmp_path):
 
 
 # ---------------------------------------------------------------- bfloat16
-def test_bf16_divergences_are_rounding_near_ties_and_fp32_is_identical():
+def _bf16_drafter(model, kind):
+    if kind == "ngram":
+        return build_drafter(model, "ngram", min_ngram=1)
+    return _randomise(build_drafter(model, "eagle3", draft_vocab_size=48, head_weights="native"), scale=0.4)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
+def test_bf16_divergences_are_rounding_near_ties_and_fp32_is_identical(kind):
     """In bfloat16 a batched tree pass and sequential one-token passes round differently, so a
     speculative greedy output may leave plain greedy, but only where the plain pass's top-2 margin
-    is within what that rounding moves (``selfspec.measurement.measure.divergence``); in float32 outputs agree."""
+    is within what that rounding moves (``selfspec.measurement.measure.divergence``); in float32
+    outputs agree. For prompt lookup and for an EAGLE-3 head (its trees, its taps of the bf16
+    verify pass)."""
     from selfspec.measurement.measure import divergence
 
-    seen = 0
+    seen = accepted = 0
     for seed in range(6):
         model = tiny_model("llama", vocab=64, layers=4, seed=seed, dtype=torch.bfloat16)
-        drafter = build_drafter(model, "ngram", min_ngram=1)
+        drafter = _bf16_drafter(model, kind)
         prompt = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(seed))
         plain = selfspec.generate(model, prompt, max_new_tokens=40, eos_token_id=[])
         spec = selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=40, eos_token_id=[], adaptive=False)
+        accepted += sum(spec.stats.accepted_per_depth)
         why = divergence(model, plain.sequences, spec.sequences, prompt.shape[1])
         if why is not None:
             seen += 1
             assert why.explained, f"seed {seed}: divergence at margin {why.margin} > rounding {why.rounding_gap}"
+    assert accepted > 0 and seen < 6  # the drafts were tested, and most outputs agree
     model = tiny_model("llama", vocab=64, layers=4, dtype=torch.float32)
-    drafter = build_drafter(model, "ngram", min_ngram=1)
+    drafter = _bf16_drafter(model, kind)
     plain = selfspec.generate(model, PROMPT, max_new_tokens=40, eos_token_id=[])
     spec = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=40, eos_token_id=[], adaptive=False)
-    assert torch.equal(plain.sequences, spec.sequences)
+    assert torch.equal(plain.sequences, spec.sequences) and sum(spec.stats.accepted_per_depth) > 0
 
 
 def test_divergence_diagnosis_replays_the_engine_schedules_and_flags_a_clear_margin():

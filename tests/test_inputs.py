@@ -148,7 +148,7 @@ def test_load_target_never_downloads_unless_asked(monkeypatch):
     """A hub id that is not in the local cache fails fast with a clear message, never fetching."""
     monkeypatch.setenv("HF_HUB_CACHE", "/nonexistent-selfspec-cache")
     with pytest.raises(OSError, match="allow_download=True"):
-        selfspec.load_target("selfspec-test-org/no-such-model")
+        selfspec.load_target("selfspec-test-org/no-such-model", dtype="float32")
 
 
 def test_caller_kept_adaptive_policy_is_used_and_carries_over():

@@ -169,6 +169,26 @@ def test_ngram_search_finds_every_earlier_occurrence_once_per_context():
     assert drafter.context_key(ctx) == 1 and calls[-1] is True
 
 
+def test_ngram_key_tells_a_copy_from_a_chance_match():
+    """Prompt lookup's context key: the longest matched suffix ``n``; a ``max_ngram`` match that
+    runs on for 2x / 4x ``max_ngram`` tokens (text being copied) is ``max_ngram + 1`` / ``+ 2``,
+    counted over every earlier occurrence (not only the latest), capped at the longest; with
+    ``copy_keys=False`` it stays ``max_ngram``."""
+    text = list(range(10, 40))  # 30 distinct tokens, then copied
+    key = lambda tokens, **kw: NgramDrafter(NgramConfig(**kw)).context_key(_ctx(tokens))  # noqa: E731
+    assert key(text + [1, 2] + text[:3]) == 3  # 3 tokens copied: a 3-gram (max_ngram 4)
+    assert key(text + [1, 2] + text[:4]) == 4  # 4: a 4-gram, no run beyond it
+    assert key(text + [1, 2] + text[:7]) == 4 and key(text + [1, 2] + text[:8]) == 5  # 8 copied: a copy
+    assert key(text + [1, 2] + text[:15]) == 5 and key(text + [1, 2] + text[:16]) == 6
+    assert key(text + [1, 2] + text[:25]) == 6  # (capped)
+    assert key(text + [1, 2] + text[:16], copy_keys=False) == 4
+    assert key(text + [1, 2] + text[:8], max_ngram=2, min_ngram=1) == 4  # 2 x 4 = 8 copied: max_ngram + 2
+    # the longest run counts, wherever it is: a later chance 4-gram does not hide an earlier copy
+    chance = [0] + text[5:9]  # the suffix's 4-gram again, after another token: the latest occurrence
+    assert key(text + [1, 2] + chance + [5] + text[:9]) == 5
+    assert key(text + [1, 2] + [0] + text[5:9] + [5] + text[5:9]) == 4  # two 4-token matches, none longer
+
+
 def test_greedy_verdict_accepts_deepest_matching_path():
     b = TreeBuilder(0)
     a = b.add(0, 2)

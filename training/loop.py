@@ -227,7 +227,7 @@ class TrainingRun(ABC):
         if self.model is None:
             dtype = getattr(cfg, "target_dtype", None)
             self.model, self.tokenizer = selfspec.load_target(cfg.target, device=str(self.acc.device),
-                                                              dtype=getattr(torch, dtype) if dtype else None)
+                                                              dtype=getattr(torch, dtype) if dtype else torch.float32)
         self.model.requires_grad_(False).eval()
         with self.acc.main_process_first():  # feature caches: built once, read by the others
             self.prepare()

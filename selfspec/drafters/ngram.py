@@ -17,6 +17,11 @@ from ..tree import DraftTree, TreeBuilder
 from .base import DraftContext, Drafter, TargetSignature
 
 
+#: Multiples of ``max_ngram`` from which a match's run gets a context key of its own (see
+#: :meth:`NgramDrafter.context_key`).
+LONG_RUNS = (2, 4)
+
+
 @dataclass(frozen=True)
 class NgramConfig:
     """Options of the n-gram (prompt-lookup) drafter.
@@ -40,6 +45,9 @@ class NgramConfig:
             millisecond on a 2-core CPU against about 33 for a step, so a 32-token chain (about
             twice a plain step) pays once about 14 of its tokens are accepted, as copied text does
             after chains of 8 and 16 were accepted whole.
+        copy_keys: the context key tells long matched runs (a copy) apart from plain
+            ``max_ngram`` matches (see :meth:`NgramDrafter.context_key`; only unions read keys).
+            ``False``: every ``max_ngram`` match one key, as until round 42.
     """
 
     max_ngram: int = 4
@@ -48,6 +56,7 @@ class NgramConfig:
     max_nodes: int = 12
     max_matches: int = 4
     long_depth: int | None = None
+    copy_keys: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -133,9 +142,35 @@ class NgramDrafter(Drafter):
 
     def context_key(self, ctx: DraftContext) -> int:
         """The longest suffix length ``n`` (``min_ngram..max_ngram``) that occurs earlier in the
-        context, 0 when none does: longer matches are accepted far more often."""
+        context, 0 when none does: longer matches are accepted far more often. Where a
+        ``max_ngram`` match runs on for at least ``f * max_ngram`` tokens for each ``f`` of
+        :data:`LONG_RUNS`, one more per ``f`` (``max_ngram + 1`` from 8 matched tokens,
+        ``max_ngram + 2`` from 16, with the defaults): text being copied (a reply rewritten
+        verbatim, an extraction), where chains are accepted whole and grow (``long_depth``), is
+        a state of its own, not one averaged with every chance 4-gram of free text (a union
+        that learned prompt lookup loses there kept running its head through a whole copied
+        reply, MT-Bench writing 81, round 43)."""
         found = self._search(ctx.tokens)
-        return next((n for n in sorted(found, reverse=True) if found[n]), 0)
+        n = next((n for n in sorted(found, reverse=True) if found[n]), 0)
+        if n < self.config.max_ngram or not self.config.copy_keys:
+            return n
+        run = self._longest_run(ctx.tokens, found[n], LONG_RUNS[-1] * n)
+        return n + sum(run >= f * n for f in LONG_RUNS)
+
+    @staticmethod
+    def _longest_run(context: torch.Tensor, starts: list[int], cap: int) -> int:
+        """How many tokens the context's suffix matches, at most ``cap``, over the earlier
+        occurrences whose continuations start at ``starts`` (most recent first; stops at ``cap``)."""
+        tokens = context.tolist()
+        length, best = len(tokens), 0
+        for start in reversed(starts):
+            k = 0  # tokens[start - 1 - k] == tokens[length - 1 - k] for k < run
+            while k < cap and start - 1 - k >= 0 and tokens[start - 1 - k] == tokens[length - 1 - k]:
+                k += 1
+            best = max(best, k)
+            if best >= cap:
+                break
+        return best
 
     def _search(self, context: torch.Tensor) -> dict[int, list[int]]:
         """Continuation starts (increasing) of the earlier occurrences of the last ``n`` tokens of

@@ -27,7 +27,7 @@ slow one's steps; the plain arm does that job per context state instead. Which a
 on the context: prompt lookup alone is best while the output copies its context (extraction, code
 edits), a trained head (or plain steps) where nothing matches. Members say how promising a context
 looks through :meth:`~selfspec.drafters.base.Drafter.context_key` (prompt lookup: the longest
-n-gram that matched); the *context state* is the tuple of all members' keys, and each arm's speed
+n-gram that matched, and whether it runs on for 8 or 16 tokens: a copy); the *context state* is the tuple of all members' keys, and each arm's speed
 is kept under the keys of its own members only: plain steps once, a member alone per its own key
 (prompt lookup with a 4-gram match is as fast whatever the head's key says), the merge per state.
 A member alone is tried as soon as its own key is new and no merged step has measured it there (a

@@ -565,12 +565,34 @@ def _rate(records: list[Record]) -> float:
 
 
 def _identical(v: dict) -> str:
-    """``100%``, or the share with how many divergences were near-ties the dtype's rounding flips."""
+    """``100%``, or the share with how many divergences were near-ties the dtype's rounding flips
+    and the largest top-2 margin of the plain pass among them (where each one happened:
+    :func:`divergence_table`)."""
     divs = v.get("divergences") or []
     if not divs:
         return f"{v['identical_share']:.0%}"
     explained = sum(bool(d.get("explained")) for d in divs)
-    return f"{v['identical_share']:.0%} ({explained}/{len(divs)} near-ties)"
+    widest = max(d.get("margin", 0.0) for d in divs)
+    return f"{v['identical_share']:.0%} ({explained}/{len(divs)} near-ties, margin <= {widest:.2g})"
+
+
+def divergence_table(summary: dict[str, dict[str, dict]]) -> str:
+    """Where and why each greedy output left the baseline's (``""`` when none did): per method and
+    turn, the first divergent new token, the plain pass's top-1 minus top-2 logit there, how far
+    this dtype's rounding moves those logits across the schedules a run computes them by, and
+    whether that explains it (:class:`~selfspec.measurement.measure.Divergence`)."""
+    rows = [(m, d) for m, v in summary.get("overall", {}).items() for d in v.get("divergences") or []]
+    if not rows:
+        return ""
+    lines = ["Where greedy outputs left plain greedy (first divergent new token; the plain pass's top-2 logit "
+             "margin there against the rounding gap between the sequential, batched and tree-pass schedules; "
+             "near-tie: margin <= 2 x max(gap, ulp)):", "",
+             "| method | question | turn | first divergent token | top-2 margin | rounding gap | near-tie |",
+             "|---|---|---|---|---|---|---|"]
+    for m, d in rows:
+        lines.append(f"| {m} | {d['question']} | {d['turn'] + 1} | {d['position']} | {d['margin']:.3g} | "
+                     f"{d['rounding_gap']:.3g} | {'yes' if d.get('explained') else 'NO'} |")
+    return "\n".join(lines)
 
 
 def _fraction(counts: list[int] | None) -> str:
