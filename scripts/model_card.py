@@ -73,11 +73,11 @@ def _stored_trees(cfg: dict, extra: dict) -> str:
         entries = extra.get(table) or {}
         if entries:
             parts.append(f"{what}: " + ", ".join(f"{_tree(o)} (`{k}`)" for k, o in entries.items()))
-    tail = (f"for a dtype with no entry of its own, {_tree(cfg)} (inside unions and for sampled steps, where the "
-            "dtype has no entry there, the head's own tree)")
-    return ("Dynamic trees (depth / width / nodes) by target dtype and class of CPU: " + "; ".join(parts) + "; "
-            + tail + "." if parts else f"Dynamic tree: depth <= {cfg['max_depth']}, width {cfg['width']}, "
-            f"{cfg['max_nodes']} nodes.")
+    if not parts:
+        return f"Dynamic tree: depth <= {cfg['max_depth']}, width {cfg['width']}, {cfg['max_nodes']} nodes."
+    return ("Dynamic trees (depth / width / nodes) by target dtype and class of CPU: " + "; ".join(parts)
+            + f"; for a dtype with no entry of its own, {_tree(cfg)} (inside unions and for sampled steps, where "
+            "the dtype has no entry there, the head's own tree).")
 
 
 def _kind_lines(kind: str, cfg: dict, extra: dict | None = None) -> list[str]:

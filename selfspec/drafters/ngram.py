@@ -160,12 +160,14 @@ class NgramDrafter(Drafter):
     @staticmethod
     def _longest_run(context: torch.Tensor, starts: list[int], cap: int) -> int:
         """How many tokens the context's suffix matches, at most ``cap``, over the earlier
-        occurrences whose continuations start at ``starts`` (most recent first; stops at ``cap``)."""
-        tokens = context.tolist()
-        length, best = len(tokens), 0
+        occurrences whose continuations start at ``starts`` (most recent first; stops at ``cap``).
+        Reads ``cap`` tokens before each start, not the whole context (asked every union step)."""
+        suffix = context[-cap:].tolist()[::-1]  # suffix[k] = context[L - 1 - k]
+        best = 0
         for start in reversed(starts):
-            k = 0  # tokens[start - 1 - k] == tokens[length - 1 - k] for k < run
-            while k < cap and start - 1 - k >= 0 and tokens[start - 1 - k] == tokens[length - 1 - k]:
+            before = context[max(0, start - cap):start].tolist()[::-1]  # before[k] = context[start - 1 - k]
+            k = 0
+            while k < len(before) and before[k] == suffix[k]:
                 k += 1
             best = max(best, k)
             if best >= cap:
