@@ -14,14 +14,16 @@ never runs past the model's context. All input checks happen here, once, at the 
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
-from .adaptive import AdaptiveConfig, AdaptivePolicy
-from .drafters.base import DraftContext, Drafter, Proposal
+from .control import ControlConfig, Controller
+from .drafters.base import DraftContext, Drafter
 from .metrics import SpecStats
 from .sampling import SamplingConfig
 from .target import TreeTarget, context_length
@@ -48,7 +50,7 @@ def generate(
     model,
     input_ids,
     *,
-    drafter: Drafter | None = None,
+    drafter: "Drafter | Sequence[Drafter] | Controller | None" = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -56,7 +58,7 @@ def generate(
     seed: int | None = None,
     generator: torch.Generator | None = None,
     eos_token_id: int | Iterable[int] | None = None,
-    adaptive: "bool | AdaptiveConfig | AdaptivePolicy" = True,
+    control: "bool | ControlConfig | None" = None,
     streamer=None,
     prefix_cache=None,
     tools=None,
@@ -68,19 +70,20 @@ def generate(
         model: an unmodified transformers causal LM (``model(input_ids, attention_mask,
             position_ids, cache)`` interface) in eval mode.
         input_ids: ``[L]`` or ``[1, L]`` prompt token ids (batch size 1).
-        drafter: from :func:`selfspec.build_drafter`; ``None`` decodes one token per step.
+        drafter: a drafter from :func:`selfspec.build_drafter`, several (their union: the
+            controller runs each alone, their merge or plain steps, whichever it measures fastest),
+            or a :class:`selfspec.control.Controller` that keeps what it learnt across calls;
+            ``None`` decodes one token per step.
         max_new_tokens: most tokens to generate (>= 1).
         temperature: 0 for greedy; > 0 samples. ``top_k`` (0 = off) and ``top_p`` (1 = off) filter
             the target's law exactly as plain sampling does.
         seed / generator: randomness for sampling (give at most one); a fresh random seed if none.
         eos_token_id: stop token(s); defaults to ``model.generation_config.eos_token_id``.
-        adaptive: let :class:`selfspec.adaptive.AdaptivePolicy` skip drafting (and cap its depth)
-            while speculation would be slower than plain steps. ``True``: default knobs, state kept
-            on the drafter (``drafter.adaptive_policy``, carried across calls); an
-            :class:`AdaptiveConfig` to tune; an :class:`AdaptivePolicy` the caller keeps (and may
-            share, reset or inspect); ``False``: draft every step. Never changes the law (greedy:
-            never the text), but which steps draft depends on measured time, so seeded sampling
-            repeats token for token only with ``adaptive=False``.
+        control: how a fresh controller decides (:class:`selfspec.control.ControlConfig`;
+            ``None``: defaults; ``False``: every step drafts with every drafter and verifies their
+            trees as proposed). Not with a ``Controller`` (it has its config). The controller never
+            changes the law (greedy: never the text), but which steps draft depends on measured
+            time, so seeded sampling repeats token for token only with ``control=False``.
         streamer: a transformers streamer (``put(ids)`` / ``end()``, e.g. ``TextStreamer``): gets
             the prompt first (as ``model.generate`` does; ``skip_prompt=True`` skips it), then each
             step's verified tokens ``[k]`` as soon as they are committed, then ``end()``.
@@ -99,7 +102,7 @@ def generate(
             prompt, ``max_new_tokens < 1``, or a drafter built for another model.
     """
     run = _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, generator,
-                   eos_token_id, adaptive, prefix_cache, tools, constraint)
+                   eos_token_id, control, prefix_cache, tools, constraint)
     out = decode(**run, streamer=streamer)
     out.sequences = out.sequences.to(input_ids.device if torch.is_tensor(input_ids) else "cpu")
     return out
@@ -109,9 +112,10 @@ def stream(model, input_ids, **kwargs) -> "SpecStream":
     """:func:`generate` as an iterator over each step's verified tokens (``list[int]``, in order;
     their concatenation is the output). Same arguments as :func:`generate` (``streamer`` too);
     arguments are checked here, before anything runs. Generation runs in a background thread
-    so the consumer's own time never counts as a decoding step (the adaptive policy and unions
-    time steps); the final :class:`SpecOutput` is ``.output`` once the iterator is exhausted.
-    Errors raised while generating are raised by the iterator."""
+    so the consumer's own time never counts as a decoding step (the controller times steps); the
+    final :class:`SpecOutput` is ``.output`` once the iterator is exhausted. Errors raised while
+    generating are raised by the iterator. ``close()`` (or leaving a ``with`` block, or dropping
+    the iterator) stops the generation at the next step."""
     import inspect
 
     try:
@@ -124,6 +128,10 @@ def stream(model, input_ids, **kwargs) -> "SpecStream":
     return SpecStream(_prepare(**args), streamer, input_ids.device if torch.is_tensor(input_ids) else torch.device("cpu"))
 
 
+class _Stopped(Exception):
+    """Raised inside a stream's worker when its consumer closed or dropped the iterator."""
+
+
 class SpecStream:
     """Iterator of :func:`stream`: yields each step's tokens; ``.output`` when done."""
 
@@ -131,17 +139,21 @@ class SpecStream:
 
     def __init__(self, run: dict, streamer, device):
         import queue
-        import threading
 
         self.output: SpecOutput | None = None
         self._queue: "queue.Queue" = queue.Queue()
+        self._stop = threading.Event()
         self._error: BaseException | None = None
         self._streamer, self._device = streamer, device
         self._prompt_seen = False  # the engine puts the prompt first, as model.generate does
-        self._thread = threading.Thread(target=self._work, args=(run,), daemon=True)
+        # the worker holds only a weak reference to this iterator, so dropping it stops the worker
+        self._thread = threading.Thread(target=_stream_work, args=(weakref.ref(self), run, self._stop, self._queue),
+                                        daemon=True)
         self._thread.start()
 
     def put(self, value: torch.Tensor) -> None:  # the engine's streamer interface
+        if self._stop.is_set():
+            raise _Stopped
         if self._prompt_seen:
             self._queue.put(value.tolist())
         self._prompt_seen = True
@@ -152,15 +164,20 @@ class SpecStream:
         if self._streamer is not None:
             self._streamer.end()
 
-    def _work(self, run: dict) -> None:
-        try:
-            out = decode(**run, streamer=self)
-            out.sequences = out.sequences.to(self._device)
-            self.output = out
-        except BaseException as exc:  # handed to the consumer
-            self._error = exc
-        finally:
-            self._queue.put(self._END)
+    def close(self) -> None:
+        """Stop generating (at the next step) and wait for the worker to finish."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> "SpecStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self._stop.set()
 
     def __iter__(self) -> "SpecStream":
         return self
@@ -177,6 +194,42 @@ class SpecStream:
         return item
 
 
+class _StreamProxy:
+    """The engine's streamer inside a stream's worker: forwards to the iterator while it lives."""
+
+    def __init__(self, ref, stop: threading.Event):
+        self.ref, self.stop = ref, stop
+
+    def put(self, value) -> None:
+        it = self.ref()
+        if it is None or self.stop.is_set():
+            raise _Stopped
+        it.put(value)
+
+    def end(self) -> None:
+        it = self.ref()
+        if it is not None:
+            it.end()
+
+
+def _stream_work(ref, run: dict, stop: threading.Event, q) -> None:
+    out, error = None, None
+    try:
+        out = decode(**run, streamer=_StreamProxy(ref, stop))
+    except _Stopped:
+        pass
+    except BaseException as exc:  # handed to the consumer
+        error = exc
+    finally:
+        it = ref()
+        if it is not None:
+            if out is not None:
+                out.sequences = out.sequences.to(it._device)
+                it.output = out
+            it._error = error
+        q.put(SpecStream._END)
+
+
 def _check_constraint(constraint) -> None:
     from .constraint import Constraint
 
@@ -185,7 +238,7 @@ def _check_constraint(constraint) -> None:
 
 
 def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, generator,
-             eos_token_id, adaptive, prefix_cache=None, tools=None, constraint=None) -> dict:
+             eos_token_id, control=None, prefix_cache=None, tools=None, constraint=None) -> dict:
     """Check every argument of :func:`generate` and return ``decode``'s arguments."""
     _check_constraint(constraint)
     cfg = SamplingConfig(temperature, top_k, top_p)
@@ -193,10 +246,9 @@ def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_
     ids = _check_prompt(model, input_ids)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if drafter is not None:
-        if not isinstance(drafter, Drafter):
-            raise ValueError(f"drafter must be a selfspec Drafter (see build_drafter), got {type(drafter).__name__}")
-        drafter.check_target(model)
+    controller = controller_for(drafter, control)
+    if controller is not None:
+        controller.check_target(model)
     if prefix_cache is not None:
         from .prefix_cache import PrefixCache
 
@@ -206,65 +258,106 @@ def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_
     if tools is not None:
         from .tool_grammar import check_tools
 
-        check_tools(tools)
-    if drafter is not None and drafter.uses_tools:
-        drafter.set_tools(tools)
+        tools = check_tools(tools)
     gen = _make_generator(seed, generator, device)
     eos = _eos_ids(model, eos_token_id)
-    target = TreeTarget(model, want_hidden=drafter is not None and drafter.needs_hidden,
-                        taps=drafter.taps if drafter is not None else ())
+    needs = controller.requires if controller is not None else None
+    target = TreeTarget(model, want_hidden=needs is not None and needs.hidden, taps=needs.taps if needs else ())
     limit = context_length(model) or ids.shape[0] + max_new_tokens
-    policy = policy_for(drafter, adaptive)
-    if policy is not None:
-        policy.begin()
-    return dict(target=target, ids=ids, drafter=drafter, cfg=cfg, gen=gen, max_new_tokens=max_new_tokens, eos=eos,
-                context_limit=limit, policy=policy, prefix_cache=prefix_cache, constraint=constraint)
+    if controller is not None:
+        controller.begin(model)
+    return dict(target=target, ids=ids, controller=controller, cfg=cfg, gen=gen, max_new_tokens=max_new_tokens,
+                eos=eos, context_limit=limit, prefix_cache=prefix_cache, constraint=constraint, tools=tools,
+                lock=model_lock(model))
+
+
+def controller_for(drafter, control) -> Controller | None:
+    """The controller a call uses: the caller's own, a fresh one over the given drafter(s), or
+    ``None`` (plain decoding)."""
+    if isinstance(drafter, Controller):
+        if control is not None:
+            raise ValueError("give control= only with drafters, not with a Controller (it has its own config)")
+        return drafter
+    if control is not None and control is not False and not isinstance(control, ControlConfig):
+        raise ValueError(f"control must be None, False or a ControlConfig, got {type(control).__name__}")
+    if drafter is None:
+        return None
+    members = list(drafter) if isinstance(drafter, (list, tuple)) else [drafter]
+    for m in members:
+        if not isinstance(m, Drafter):
+            raise ValueError(f"drafter must be a selfspec Drafter (see build_drafter), a list of them or a "
+                             f"Controller, got {type(m).__name__}")
+    config = ControlConfig(fixed=True) if control is False else control
+    return Controller(members, config)
+
+
+_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model) -> threading.RLock:
+    """One lock per model object: generations on a shared model run one at a time (their tree
+    passes, tap hooks and layer slices touch the model), so concurrent callers get the outputs
+    of sequential runs."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
 
 
 def decode(
     target,
     ids: torch.Tensor,
-    drafter: Drafter | None,
+    controller: Controller | None,
     cfg: SamplingConfig,
     gen: torch.Generator,
     max_new_tokens: int,
     eos: set[int],
     context_limit: int,
-    policy: AdaptivePolicy | None = None,
     clock=time.perf_counter,
     streamer=None,
     prefix_cache=None,
     constraint=None,
+    tools=None,
+    lock=None,
 ) -> SpecOutput:
     """The speculative loop over an already validated prompt.
 
     ``target`` is anything with ``prefill``, ``forward_tree``, ``commit`` and ``prefix_len`` like
     :class:`TreeTarget` (tests plug in cheap table-driven targets). ``ids``: ``[L]`` on the CPU.
-    ``policy`` (optional) decides per step whether to draft and how deep, from step times read
-    off ``clock`` (seconds; tests inject a deterministic one); for a ``self_paced`` drafter it only
-    caps the depth. ``streamer`` (optional, ``put`` / ``end``) gets the prompt ``[1, L]``, then each
-    step's new tokens ``[k]``, then ``end()``. ``prefix_cache`` (optional): reuse and store the
-    target's committed state across calls (:mod:`selfspec.prefix_cache`). ``constraint``
-    (optional): a token mask applied at every tree node before verification
-    (:mod:`selfspec.constraint`).
+    ``controller`` (optional, already begun) proposes each step's tree from seconds read off
+    ``clock`` (tests inject a deterministic one); ``None``: plain steps. ``streamer`` (optional,
+    ``put`` / ``end``) gets the prompt ``[1, L]``, then each step's new tokens ``[k]``, then
+    ``end()``. ``prefix_cache`` (optional): reuse and store the target's committed state across
+    calls (:mod:`selfspec.prefix_cache`). ``constraint`` (optional): a token mask applied at every
+    tree node before verification (:mod:`selfspec.constraint`). ``lock`` (optional): held for the
+    whole generation (:func:`model_lock`).
     """
+    if lock is None:
+        return _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit, clock, streamer,
+                       prefix_cache, constraint, tools)
+    with lock:
+        return _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit, clock, streamer,
+                       prefix_cache, constraint, tools)
+
+
+def _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit, clock, streamer, prefix_cache,
+            constraint, tools) -> SpecOutput:
     stats = SpecStats()
     if streamer is not None:
         streamer.put(ids[None].clone())
-    share = drafter is not None and drafter.shares_target_cache and getattr(target, "supports_handoff", False)
+    share = controller is not None and controller.requires.target_cache and getattr(target, "supports_handoff", False)
     start = clock()
     tokens = torch.empty(ids.shape[0] + max_new_tokens, dtype=torch.long)
     tokens[: ids.shape[0]] = ids
     length = ids.shape[0]
-    if drafter is not None:
-        drafter.reset()
     if constraint is not None:
         constraint.reset()
     pre = target.prefill(ids, prefix_cache) if prefix_cache is not None else target.prefill(ids)
     stats.prefix_reused = getattr(target, "reused", 0)
     root_hidden = pre.hidden[-1] if pre.hidden is not None else None
-    features = pre.taps  # taps of committed positions the drafter has not seen yet
-    all_taps = [pre.taps] if prefix_cache is not None and pre.taps is not None else None
+    taps = _TapBuffer(tokens.shape[0], pre.taps) if getattr(target, "taps", ()) else None
     _sync(target)
     stats.prefill_time_s = clock() - start
     finish = "length"
@@ -274,17 +367,17 @@ def decode(
             finish = "context"
             break
         t0 = clock()
-        speculate = drafter is not None and budget > 1 and (policy is None or drafter.self_paced or policy.speculate())
-        depth = policy.max_depth(budget - 1) if policy is not None else budget - 1
-        ctx = DraftContext(tokens[:length], root_hidden, depth, cfg, gen, target.cache if share else None,
-                           features=features if speculate else None, prompt_len=ids.shape[0], room=budget - 1)
-        proposal = _checked(Proposal.of(drafter.propose(ctx)), ctx) if speculate else None
-        tree = proposal.tree if speculate else DraftTree.root_only(int(tokens[length - 1]))
-        if speculate:
-            features = None
+        handoff = None
+        if controller is not None and budget > 1:
+            ctx = DraftContext(tokens[:length], root_hidden, budget - 1, cfg, gen, target.cache if share else None,
+                               features=taps.committed(length - 1) if taps is not None else None,
+                               prompt_len=ids.shape[0], tools=tools)
+            proposal = controller.propose(ctx, clock)
+            tree, handoff = proposal.tree, proposal.handoff
+        else:
+            tree = DraftTree.root_only(int(tokens[length - 1]))
         t1 = clock()
         prefix = target.prefix_len
-        handoff = proposal.handoff if speculate else None
         scored = target.forward_tree(tree, handoff) if handoff is not None else target.forward_tree(tree)
         logits = scored.logits
         if constraint is not None:  # the same mask plain decoding applies, at every node's own path
@@ -307,67 +400,48 @@ def decode(
         stats.record_step(verdict.num_accepted, tested_next, len(new), tree.num_nodes - 1)
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t2 - t1
+        stats.plain_steps += tree.num_nodes == 1
         if stats.steps == 1:
             stats.first_token_s, stats.first_step_tokens = t2 - start, len(new)
-        if policy is not None:
-            drafted = speculate and tree.num_nodes > 1  # an empty draft costs (about) a plain step
-            policy.record(drafted, t2 - t0, len(new), verdict.num_accepted, tested_next)
-            stats.plain_steps += not drafted
-            stats.fallbacks = policy.fallbacks
-        if speculate:
-            drafter.observe(ctx, tree, verdict)
         if scored.hidden is not None:
             root_hidden = scored.hidden[verdict.path[-1]]
-        if scored.taps is not None:
-            new_taps = scored.taps[verdict.path]
-            features = new_taps if features is None else torch.cat([features, new_taps])
-            if all_taps is not None:
-                all_taps.append(new_taps)
+        if scored.taps is not None and taps is not None:
+            taps.append(scored.taps[verdict.path])
+        if controller is not None:
+            controller.observe(tree, verdict, new, t2 - t1)
         if cut is not None:
             finish = "eos"
             break
     if prefix_cache is not None:  # the committed state of prompt + output, for the next call
         keep = min(length - 1, target.prefix_len)
-        prefix_cache.store(tokens[:keep], target.cache, None if all_taps is None else torch.cat(all_taps),
-                           target.taps)
-    if drafter is not None:
-        drafter.end(tokens[:length], ids.shape[0])
+        prefix_cache.store(tokens[:keep], target.cache, None if taps is None else taps.committed(keep), target.taps)
+    if controller is not None:
+        controller.end(tokens[:length], ids.shape[0])
     if streamer is not None:
         streamer.end()
     stats.wall_time_s = clock() - start
     return SpecOutput(tokens[None, :length].clone(), stats, finish)
 
 
-def policy_for(drafter: Drafter, adaptive: "bool | AdaptiveConfig | AdaptivePolicy") -> AdaptivePolicy | None:
-    """The adaptive state a call with ``adaptive`` uses: ``None`` when off (``False`` or no
-    drafter); the caller's own :class:`AdaptivePolicy` as given; otherwise the drafter's
-    :attr:`~selfspec.drafters.base.Drafter.adaptive_policy`, kept across calls and replaced by a
-    fresh one when the config changes."""
-    if drafter is None or adaptive is False:
-        return None
-    if isinstance(adaptive, AdaptivePolicy):
-        return adaptive
-    if adaptive is not True and not isinstance(adaptive, AdaptiveConfig):
-        raise ValueError(f"adaptive must be a bool, an AdaptiveConfig or an AdaptivePolicy, got {type(adaptive).__name__}")
-    cfg = adaptive if isinstance(adaptive, AdaptiveConfig) else AdaptiveConfig()
-    if drafter.adaptive_policy is None or drafter.adaptive_policy.cfg != cfg:
-        drafter.adaptive_policy = AdaptivePolicy(cfg)
-    return drafter.adaptive_policy
+class _TapBuffer:
+    """The target's taps of every committed position, in one preallocated ``[capacity, D]`` tensor
+    (drafters read ``committed(n)``, a view of the first n rows)."""
 
+    def __init__(self, capacity: int, first: torch.Tensor | None):
+        self.rows, self.data, self.capacity = 0, None, capacity
+        if first is not None:
+            self.append(first)
 
-def _checked(proposal: Proposal, ctx: DraftContext) -> Proposal:
-    tree = proposal.tree
-    if not isinstance(tree, DraftTree):
-        raise ValueError(f"drafter returned {type(tree).__name__}, expected a DraftTree or a Proposal")
-    if int(tree.tokens[0]) != ctx.root_token:
-        raise ValueError(f"drafter returned a tree rooted at {int(tree.tokens[0])}, expected {ctx.root_token}")
-    if proposal.handoff is not None:
-        if ctx.cache is None:
-            raise ValueError("drafter returned a layer handoff without being given the target's cache")
-        if tree.depth > ctx.max_depth:
-            raise ValueError(f"drafter returned a tree of depth {tree.depth} > max_depth {ctx.max_depth} with a layer handoff")
-        return proposal
-    return Proposal(tree.prune_depth(ctx.max_depth))
+    def append(self, rows: torch.Tensor) -> None:
+        if self.data is None:
+            self.data = rows.new_empty((self.capacity, rows.shape[-1]))
+        self.data[self.rows: self.rows + rows.shape[0]] = rows
+        self.rows += rows.shape[0]
+
+    def committed(self, n: int) -> torch.Tensor | None:
+        if self.data is None:
+            return None
+        return self.data[: min(n, self.rows)]
 
 
 def _check_prompt(model, input_ids) -> torch.Tensor:

@@ -148,6 +148,10 @@ class TreeBuilder:
         """Token id of an added node."""
         return self._tokens[node]
 
+    def parent(self, node: int) -> int:
+        """Parent index of an added node (-1 for the root)."""
+        return self._parents[node]
+
     def set_draft_probs(self, node: int, q: torch.Tensor) -> None:
         """Record ``q`` ``[V]``, the distribution ``node``'s sampled children were drawn from."""
         self._rows[node] = q

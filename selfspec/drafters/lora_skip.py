@@ -23,23 +23,22 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..layer_slice import LayerSlice, num_layers
-from .base import TargetSignature
-from .layerskip import LayerSkipConfig, LayerSkipDrafter
-
-
-TREE_FIELDS = ("max_depth", "max_nodes", "width", "branch", "min_score", "sampled")
+from .base import Requirements, TargetSignature
+from .registry import register
+from .layerskip import POLICY_FIELDS, LayerSkipConfig, LayerSkipDrafter, LayerSkipPolicy, split_options
 
 
 @dataclass
 class LoraSkipConfig:
-    """The drafting layers, their LoRA adapters, and the tree policy.
+    """The drafting layers and their LoRA adapters (what a checkpoint is; the tree policy is a
+    :class:`~selfspec.drafters.layerskip.LayerSkipPolicy`, without KV reuse: adapted layers).
 
     Attributes:
         exit_layer: E, draft with layers ``0 .. E-1``.
@@ -47,32 +46,22 @@ class LoraSkipConfig:
         alpha: LoRA scaling numerator (the update is ``alpha / r * B A``).
         target_modules: names of the linear maps that get adapters (default: every ``nn.Linear``
             inside a decoder layer, e.g. ``q_proj ... down_proj``).
-        max_depth / max_nodes / width / branch / min_score / sampled: the draft tree, as for
-            :class:`~selfspec.drafters.layerskip.LayerSkipConfig`.
     """
 
     exit_layer: int = 8
     rank: int = 8
     alpha: float = 16.0
     target_modules: list[str] | None = None
-    max_depth: int = 6
-    max_nodes: int = 12
-    width: int = 4
-    branch: int = 3
-    min_score: float = 0.05
-    sampled: bool = True
 
     def __post_init__(self) -> None:
         if self.exit_layer < 1 or self.rank < 1 or self.alpha <= 0:
             raise ValueError(f"need exit_layer >= 1, rank >= 1, alpha > 0; got {self.exit_layer}, {self.rank}, {self.alpha}")
 
-    def as_layerskip(self) -> LayerSkipConfig:
-        """The plain-exit layer-skip config with this tree policy (no KV reuse: adapted layers)."""
-        return LayerSkipConfig(exit_layer=self.exit_layer, adapter="none", kv_reuse=False,
-                               **{k: getattr(self, k) for k in TREE_FIELDS})
-
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+LORA_FIELDS = tuple(f.name for f in fields(LoraSkipConfig))
 
 
 def decoder_path(model) -> str:
@@ -128,28 +117,25 @@ class LoraSkipDrafter(LayerSkipDrafter):
     kind = "layerskip_lora"
 
     def __init__(self, model, cfg: LoraSkipConfig, stack: tuple[nn.Module, nn.ModuleList] | None = None,
-                 signature: TargetSignature | None = None):
-        super().__init__(model, cfg.as_layerskip(), None, signature)
-        self.lora_cfg = cfg
+                 signature: TargetSignature | None = None, policy: LayerSkipPolicy | None = None):
+        policy = LayerSkipPolicy(**(asdict(policy or LayerSkipPolicy()) | {"kv_reuse": False}))
+        super().__init__(model, LayerSkipConfig(exit_layer=cfg.exit_layer, adapter="none"), None, policy, signature)
+        self.config = cfg
         self.stack, layers = stack or lora_stack(model, cfg)
         self.body = LayerSlice(model, list(range(cfg.exit_layer)), final_norm=False, layers=layers)
-        self.shares_target_cache = False  # adapted layers: their keys and values are not the target's
+        self.requires = Requirements()  # adapted layers: their keys and values are not the target's
 
     def config_dict(self) -> dict:
-        return self.lora_cfg.to_dict()
+        return self.config.to_dict()
 
     def with_options(self, **options) -> "LoraSkipDrafter":
         """A drafter sharing these adapters with other tree options."""
-        fixed = {"exit_layer", "rank", "alpha", "target_modules"} & set(options)
+        fixed = set(LORA_FIELDS) & set(options)
         if fixed:
             raise ValueError(f"cannot change {sorted(fixed)} of a trained LoRA layer-skip drafter")
-        unknown = set(options) - set(self.lora_cfg.to_dict())
-        if unknown:
-            raise ValueError(f"unknown layerskip_lora drafter options {sorted(unknown)}")
-        other = LoraSkipDrafter(self.model, LoraSkipConfig(**(self.lora_cfg.to_dict() | options)),
-                                (self.stack, self.body.layers), self.signature)
-        other.checkpoint_meta = getattr(self, "checkpoint_meta", None)
-        return other
+        _, policy = split_options(self.kind, options, LORA_FIELDS, POLICY_FIELDS)
+        return LoraSkipDrafter(self.model, self.config, (self.stack, self.body.layers), self.signature,
+                               LayerSkipPolicy(**(asdict(self.policy) | policy)))
 
     def lora_state(self) -> dict[str, torch.Tensor]:
         """The adapter tensors, named as PEFT names them on the target (without ``base_model.model.``)."""
@@ -176,7 +162,8 @@ class LoraSkipDrafter(LayerSkipDrafter):
 def build_lora_skip(model, **options) -> LoraSkipDrafter:
     """``build_drafter(model, "layerskip_lora", exit_layer=8, rank=8, ...)``: fresh adapters (B = 0,
     so an untrained drafter drafts exactly like the plain early exit)."""
-    return LoraSkipDrafter(model, LoraSkipConfig(**options))
+    config, policy = split_options("layerskip_lora", options, LORA_FIELDS, POLICY_FIELDS)
+    return LoraSkipDrafter(model, LoraSkipConfig(**config), policy=LayerSkipPolicy(**policy))
 
 
 def lora_skip_weights(drafter: LoraSkipDrafter) -> dict[str, torch.Tensor]:
@@ -202,3 +189,7 @@ def lora_skip_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor
 
 
 __all__ = ["LoraSkipConfig", "LoraSkipDrafter", "build_lora_skip", "lora_stack"]
+
+
+register("layerskip_lora", build_lora_skip, checkpoint=(lora_skip_weights, lora_skip_from_checkpoint),
+         recipe="training.recipes.layerskip_lora")

@@ -22,7 +22,8 @@ from torch import nn
 
 from ..lm_head import lm_logits
 from ..tree import DraftTree, TreeBuilder, TreeTemplate
-from .base import DraftContext, Drafter, TargetSignature
+from .base import DraftContext, Drafter, Requirements, TargetSignature
+from .registry import config_from_options, register
 from .residual import ResBlock
 
 # A 10-node tree for CPU targets (verify cost grows quickly with nodes there); replaced by the one
@@ -99,12 +100,12 @@ class MedusaDrafter(Drafter):
     """Fills a static tree with the heads' top-k tokens (point-mass children)."""
 
     kind = "medusa"
-    needs_hidden = True
+    requires = Requirements(hidden=True)
 
     def __init__(self, model, heads: MedusaHeads, signature: TargetSignature | None = None):
-        super().__init__(signature or TargetSignature.of(model))
-        self.model = model
+        super().__init__(signature or TargetSignature.of(model), model)
         self.heads = heads.eval()
+        self.config = heads.cfg
         self.template = TreeTemplate(heads.cfg.tree)
 
     def set_tree(self, paths: list[list[int]]) -> None:
@@ -147,7 +148,7 @@ class MedusaDrafter(Drafter):
 
 def build_medusa(model, **options) -> MedusaDrafter:
     """``build_drafter(model, "medusa", num_heads=4, ...)``: untrained (zero-initialised) heads."""
-    cfg = MedusaConfig(**options)
+    cfg = config_from_options("medusa", MedusaConfig, options)
     param = next(model.parameters())
     hidden = model.config.get_text_config(decoder=True).hidden_size
     heads = MedusaHeads(cfg, hidden, model.get_output_embeddings()).to(param.device, param.dtype)
@@ -174,3 +175,7 @@ def medusa_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor]) 
     heads = heads.to(param.device, param.dtype)  # before loading, so values keep their precision
     heads.load_state_dict(state)
     return MedusaDrafter(model, heads)
+
+
+register("medusa", build_medusa, checkpoint=(medusa_weights, medusa_from_checkpoint), recipe="training.recipes.medusa",
+         exporter="selfspec.export:medusa_layout", export_format="medusa")

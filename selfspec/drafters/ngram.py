@@ -14,12 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..tree import DraftTree, TreeBuilder
-from .base import DraftContext, Drafter, TargetSignature
-
-
-#: Multiples of ``max_ngram`` from which a match's run gets a context key of its own (see
-#: :meth:`NgramDrafter.context_key`).
-LONG_RUNS = (2, 4)
+from .base import DraftContext, Drafter, Step, TargetSignature
+from .registry import config_from_options, register
 
 
 @dataclass(frozen=True)
@@ -33,21 +29,11 @@ class NgramConfig:
         max_nodes: draft-node budget of the tree (root excluded); on CPU verify cost grows with it.
         max_matches: most matches merged into the tree.
         long_depth: deepest chain of the first (longest, most recent) match once chains are
-            accepted whole: a step that accepts the whole of that chain, drafted to its depth
-            cap, doubles the cap for the next step (from ``max_depth`` up to ``long_depth``, the
-            node budget growing with it); a step that rejects any of it returns the cap to
-            ``max_depth`` (as does a new generation). A chain accepted whole short of the cap
-            (its continuation ran out, or the step had room for fewer tokens) leaves the cap as
-            it is. In a union's merged steps (``ctx.merged``) the drafter drafts to ``max_depth``
-            and the cap is left as it is: the union budgets merged nodes by value and would cut
-            a grown chain. Equal to ``max_depth``: a fixed depth (as until round 39). ``None``
-            (default): 32, or ``max_depth`` if deeper. 32: verifying a node costs about a
-            millisecond on a 2-core CPU against about 33 for a step, so a 32-token chain (about
-            twice a plain step) pays once about 14 of its tokens are accepted, as copied text does
-            after chains of 8 and 16 were accepted whole.
-        copy_keys: the context key tells long matched runs (a copy) apart from plain
-            ``max_ngram`` matches (see :meth:`NgramDrafter.context_key`; only unions read keys).
-            ``False``: every ``max_ngram`` match one key, as until round 42.
+            accepted whole: a step that accepts the whole of that chain, drafted to its depth cap,
+            doubles the cap for the next step (from ``max_depth`` up to ``long_depth``, the node
+            budget growing with it); a step that rejects any of it returns the cap to
+            ``max_depth`` (as does a new generation). ``None`` (default): 32, or ``max_depth`` if
+            deeper; equal to ``max_depth``: a fixed depth. Copied text accepts long chains whole.
     """
 
     max_ngram: int = 4
@@ -56,7 +42,6 @@ class NgramConfig:
     max_nodes: int = 12
     max_matches: int = 4
     long_depth: int | None = None
-    copy_keys: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -78,7 +63,6 @@ class NgramDrafter(Drafter):
     """Drafts trees of earlier continuations of the context's own n-grams."""
 
     kind = "ngram"
-    empty_key = 0  # no match: an empty draft (see `context_key`)
 
     def __init__(self, config: NgramConfig, signature: TargetSignature | None = None):
         super().__init__(signature)
@@ -96,15 +80,14 @@ class NgramDrafter(Drafter):
     def reset(self) -> None:
         self._depth, self._chain = self.config.max_depth, None
 
-    def observe(self, ctx: DraftContext, tree: DraftTree, verdict) -> None:
+    def observe(self, step: Step) -> None:
         """Grow or reset the first match's depth cap by whether the step accepted its whole chain
-        (the tree may be a union's: its accepted path is compared token by token)."""
+        (the tree may be a merge: the committed tokens are compared token by token)."""
         drafted, self._chain = self._chain, None
-        if not drafted or self.config.grown_depth == self.config.max_depth:
+        if not drafted or not step.proposed or self.config.grown_depth == self.config.max_depth:
             return
         chain, cap = drafted
-        accepted = tree.tokens[verdict.path[1:]].tolist()[: len(chain)]
-        if accepted != chain:
+        if step.tokens[: len(chain)] != chain:
             self._depth = self.config.max_depth
         elif len(chain) == cap == self._depth:  # drafted to the cap itself (not cut by the step's
             self._depth = min(self.config.grown_depth, 2 * cap)  # room) and accepted whole
@@ -112,8 +95,7 @@ class NgramDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> DraftTree:
         cfg = self.config
         depth = min(cfg.max_depth, ctx.max_depth)
-        # the first match's cap (grown, see long_depth; not in a union's merged steps)
-        first = depth if ctx.merged else min(self._depth, ctx.max_depth)  # (>= depth)
+        first = min(self._depth, ctx.max_depth)  # the first match's cap (grown, see long_depth; >= depth)
         budget = cfg.max_nodes + first - depth
         builder = TreeBuilder(ctx.root_token)
         self._chain = None
@@ -133,7 +115,7 @@ class NgramDrafter(Drafter):
                         break
                     child = trie[(node, tok)] = builder.add(node, tok)
                 node, walked = child, walked + 1
-            if matches == 0 and not ctx.merged:
+            if matches == 0:
                 self._chain = (chain[:walked], first)
             matches += 1
             if matches >= cfg.max_matches or len(builder) > budget:
@@ -142,37 +124,9 @@ class NgramDrafter(Drafter):
 
     def context_key(self, ctx: DraftContext) -> int:
         """The longest suffix length ``n`` (``min_ngram..max_ngram``) that occurs earlier in the
-        context, 0 when none does: longer matches are accepted far more often. Where a
-        ``max_ngram`` match runs on for at least ``f * max_ngram`` tokens for each ``f`` of
-        :data:`LONG_RUNS`, one more per ``f`` (``max_ngram + 1`` from 8 matched tokens,
-        ``max_ngram + 2`` from 16, with the defaults): text being copied (a reply rewritten
-        verbatim, an extraction), where chains are accepted whole and grow (``long_depth``), is
-        a state of its own, not one averaged with every chance 4-gram of free text (a union
-        that learned prompt lookup loses there kept running its head through a whole copied
-        reply, MT-Bench writing 81, round 43)."""
+        context, 0 when none does (an empty draft): longer matches are accepted far more often."""
         found = self._search(ctx.tokens)
-        n = next((n for n in sorted(found, reverse=True) if found[n]), 0)
-        if n < self.config.max_ngram or not self.config.copy_keys:
-            return n
-        run = self._longest_run(ctx.tokens, found[n], LONG_RUNS[-1] * n)
-        return n + sum(run >= f * n for f in LONG_RUNS)
-
-    @staticmethod
-    def _longest_run(context: torch.Tensor, starts: list[int], cap: int) -> int:
-        """How many tokens the context's suffix matches, at most ``cap``, over the earlier
-        occurrences whose continuations start at ``starts`` (most recent first; stops at ``cap``).
-        Reads ``cap`` tokens before each start, not the whole context (asked every union step)."""
-        suffix = context[-cap:].tolist()[::-1]  # suffix[k] = context[L - 1 - k]
-        best = 0
-        for start in reversed(starts):
-            before = context[max(0, start - cap):start].tolist()[::-1]  # before[k] = context[start - 1 - k]
-            k = 0
-            while k < len(before) and before[k] == suffix[k]:
-                k += 1
-            best = max(best, k)
-            if best >= cap:
-                break
-        return best
+        return next((n for n in sorted(found, reverse=True) if found[n]), 0)
 
     def _search(self, context: torch.Tensor) -> dict[int, list[int]]:
         """Continuation starts (increasing) of the earlier occurrences of the last ``n`` tokens of
@@ -206,3 +160,11 @@ class NgramDrafter(Drafter):
                 if end not in seen:
                     seen.add(end)
                     yield end
+
+
+def build_ngram(model, **options) -> NgramDrafter:
+    """``build_drafter(model, "ngram", ...)`` with :class:`NgramConfig` options."""
+    return NgramDrafter(config_from_options("ngram", NgramConfig, options), TargetSignature.of(model))
+
+
+register("ngram", build_ngram)

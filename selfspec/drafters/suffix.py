@@ -27,7 +27,8 @@ import torch
 
 from ..suffix_trie import Draft, SuffixTrie, TrieCursor
 from ..tree import DraftTree, TreeBuilder
-from .base import DraftContext, Drafter, TargetSignature
+from .base import DraftContext, Drafter, Requirements, TargetSignature
+from .registry import config_from_options, register
 
 
 @dataclass(frozen=True)
@@ -70,26 +71,25 @@ class SuffixDrafter(Drafter):
     """
 
     kind = "suffix"
-    empty_key = 0  # no match: an empty draft (see `context_key`)
-    learns_from_outputs = True  # the global index holds every earlier output
+    requires = Requirements(learns=True)  # the global index holds every earlier output
 
     def __init__(self, cfg: SuffixConfig, signature: TargetSignature | None = None):
         super().__init__(signature)
-        self.cfg = cfg
+        self.config = cfg
         self.history = SuffixTrie(cfg.max_depth)  # outputs of earlier generations
         self.outputs: deque[list[int]] = deque()
         self.cached_tokens = 0
         self.reset()
 
     def reset(self) -> None:
-        self.local = SuffixTrie(self.cfg.max_depth)
+        self.local = SuffixTrie(self.config.max_depth)
         self._cursor = TrieCursor()
         self._seen: list[int] = []
 
     def end(self, tokens: torch.Tensor, prompt_len: int) -> None:
         """Remember this generation's output in the global index (oldest outputs evicted)."""
         out = tokens[prompt_len:].tolist()
-        cap = self.cfg.max_cached_tokens
+        cap = self.config.max_cached_tokens
         if not out or cap == 0:
             return
         out = out[-cap:]
@@ -106,7 +106,7 @@ class SuffixDrafter(Drafter):
         """Longest suffix matched: ``max_depth - max_nodes`` (at least ``min_match``), so that a
         match always leaves room to draft ``max_nodes`` levels (as SuffixDecoding does); longer
         matches would only shorten the draft."""
-        return max(self.cfg.min_match, self.cfg.max_depth - self.cfg.max_nodes)
+        return max(self.config.min_match, self.config.max_depth - self.config.max_nodes)
 
     def _sync(self, ctx: DraftContext) -> list[int]:
         """Index the committed tokens not indexed yet; return the whole context as a list."""
@@ -119,11 +119,8 @@ class SuffixDrafter(Drafter):
         self._seen = tokens
         return tokens
 
-    def skip(self, ctx: DraftContext) -> None:
-        self._sync(ctx)
-
     def _best(self, tokens: list[int], max_depth: int) -> Draft | None:
-        cfg, best = self.cfg, None
+        cfg, best = self.config, None
         for trie in (self.local, self.history):
             node, n = trie.match(tokens, cfg.min_match, self.max_match)
             if node is None:
@@ -148,5 +145,13 @@ class SuffixDrafter(Drafter):
         """0 without a match; else 1, 2, 3 for matches of 1-2, 3-5, 6+ tokens (longer matches are
         accepted more often), in whichever index matches longer."""
         tokens = self._sync(ctx)
-        n = max(trie.match(tokens, self.cfg.min_match, self.max_match)[1] for trie in (self.local, self.history))
+        n = max(trie.match(tokens, self.config.min_match, self.max_match)[1] for trie in (self.local, self.history))
         return 0 if n == 0 else 1 + (n >= 3) + (n >= 6)
+
+
+def build_suffix(model, **options) -> SuffixDrafter:
+    """``build_drafter(model, "suffix", ...)`` with :class:`SuffixConfig` options."""
+    return SuffixDrafter(config_from_options("suffix", SuffixConfig, options), TargetSignature.of(model))
+
+
+register("suffix", build_suffix)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..tool_grammar import ToolCallTracker, call_format, check_tools
+from ..tool_grammar import ToolCallTracker, call_format
 from ..tree import DraftTree, TreeBuilder
-from .base import DraftContext, Drafter, TargetSignature
+from .base import DraftContext, Drafter, Requirements, TargetSignature
+from .registry import config_from_options, register
 
 
 @dataclass(frozen=True)
@@ -51,51 +52,59 @@ class ToolCallDrafter(Drafter):
     """Drafts grammar-forced tool-call text. Needs the target's (fast) tokenizer."""
 
     kind = "tools"
-    empty_key = 0  # nothing forced: an empty draft (see `context_key`)
-    uses_tools = True
+    requires = Requirements(tools=True)
 
     def __init__(self, cfg: ToolDraftConfig, tokenizer, signature: TargetSignature | None = None):
         import llguidance.hf
 
         super().__init__(signature)
-        self.cfg, self.tokenizer = cfg, tokenizer
+        self.config, self.tokenizer = cfg, tokenizer
         vocab = signature.vocab_size if signature is not None else None
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
         self.format = call_format(cfg.call_format, tokenizer)
         self.tracker: ToolCallTracker | None = None
         self.tools: list[dict] | None = None
 
-    def set_tools(self, tools) -> None:
-        """Use ``tools`` from now on (``None``: no tools, draft nothing)."""
-        self.tools = check_tools(tools) if tools else None
-        self.tracker = ToolCallTracker(self.tools, self.ll_tokenizer, self.format) if self.tools else None
+    def _use_tools(self, tools) -> None:
+        """Track calls of ``tools`` (the caller's, already checked; ``None``: draft nothing)."""
+        if tools is not self.tools:
+            self.tools = tools or None
+            self.tracker = ToolCallTracker(self.tools, self.ll_tokenizer, self.format) if self.tools else None
 
     def reset(self) -> None:
         if self.tracker is not None:
             self.tracker.reset()
 
     def _forced(self, ctx: DraftContext) -> str:
+        self._use_tools(ctx.tools)
         if self.tracker is None:
             return ""
         out = ctx.tokens[ctx.prompt_len:].tolist()
         self.tracker.update(self.tokenizer.decode(out, skip_special_tokens=False))
         return self.tracker.forced()
 
-    def skip(self, ctx: DraftContext) -> None:
-        self._forced(ctx)
-
     def propose(self, ctx: DraftContext) -> DraftTree:
         builder = TreeBuilder(ctx.root_token)
         forced = self._forced(ctx)
         if forced:
             ids = self.tokenizer.encode(forced, add_special_tokens=False)
-            if self.cfg.trim_last and len(ids) > 1:
+            if self.config.trim_last and len(ids) > 1:
                 ids = ids[:-1]
             node = 0
-            for tok in ids[: min(self.cfg.max_nodes, ctx.max_depth)]:
+            for tok in ids[: min(self.config.max_nodes, ctx.max_depth)]:
                 node = builder.add(node, int(tok))
         return builder.build()
 
     def context_key(self, ctx: DraftContext) -> int:
         """1 while the grammar forces text (inside a call), else 0."""
         return int(bool(self._forced(ctx)))
+
+
+def build_tools(model, tokenizer=None, **options) -> ToolCallDrafter:
+    """``build_drafter(model, "tools", tokenizer=tok, ...)`` with :class:`ToolDraftConfig` options."""
+    if tokenizer is None:
+        raise ValueError("the tools drafter needs the target's tokenizer: build_drafter(model, 'tools', tokenizer=tok)")
+    return ToolCallDrafter(config_from_options("tools", ToolDraftConfig, options), tokenizer, TargetSignature.of(model))
+
+
+register("tools", build_tools, needs_tokenizer=True)

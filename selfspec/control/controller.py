@@ -1,0 +1,263 @@
+"""The controller: which drafters run each step, and how big the verified tree is.
+
+*Arms*: plain steps (no drafting, one token), each member alone, and (with several members) the
+merge of all. A single drafter is the two-arm case (plain or draft). Each step the controller
+
+1. reads the *context state*, every member's :meth:`~selfspec.drafters.base.Drafter.context_key`;
+2. scores every arm by Thompson sampling: one draw per acceptance cell from the
+   :class:`~selfspec.control.acceptance.AcceptanceModel`, applied to the arm's latest tree in this
+   state, sized by the sizing rule (:func:`~selfspec.control.merge.size_tree`), gives expected
+   tokens per second against the :class:`~selfspec.control.cost.CostModel` (drafting, catch-up
+   and verify seconds, all timed by the engine's clock). An arm never run is tried first. Draws
+   come from the controller's own ``random.Random(seed)``, never the sampling generator;
+3. asks the chosen arm's members for trees (the first member may sample; the others are asked
+   for point masses in a merge), merges them (:func:`~selfspec.control.merge.merge`) and cuts the
+   result to the size that pays by the posterior means (a tree carrying a layer handoff is
+   verified as drafted: its KV is already written);
+4. after verification, records which nodes were tested and accepted, and the step's seconds.
+
+Exactness: the arm, the tree shape and the cut depend on committed tokens, past measurements and
+the controller's own generator, never on the coins of this step's verification, and sampled
+nodes are cut by position only (see :mod:`selfspec.control.merge`); each step is an exact
+speculative (or plain) step, so any sequence of them keeps the target's law.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from ..drafters.base import DraftContext, Drafter, Proposal, Requirements, Step
+from ..tree import DraftTree
+from ..verify import Verdict
+from .acceptance import AcceptanceModel, temperature_bucket
+from .cost import CostModel, verify_curve
+from .merge import member_sources, merge, node_values, size_tree, subtree
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """Knobs of the :class:`Controller`.
+
+    Attributes:
+        decay: weight kept by a member's acceptance counts per step it drafts (forgetting).
+        prior_weight: pseudo-tests behind a prior (a member's measured acceptance, or a pooled
+            estimate behind one context key).
+        max_nodes: most draft nodes a verified tree holds (the sizing rule decides below it).
+        seed: seed of the controller's own generator (arm draws).
+        fixed: every step drafts with every member and verifies the trees as proposed (no arm
+            choice, no cut): for tests and for measuring drafters' raw trees.
+    """
+
+    decay: float = 0.99
+    prior_weight: float = 4.0
+    max_nodes: int = 64
+    seed: int = 0
+    fixed: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.decay <= 1 or self.prior_weight <= 0 or self.max_nodes < 1:
+            raise ValueError(f"invalid control config {self}: need 0 < decay <= 1, prior_weight > 0, max_nodes >= 1")
+
+
+class Controller:
+    """Decides, per step, plain or which drafters, and the tree size (module docstring).
+
+    Keep one across ``generate`` calls to keep what it learnt (acceptance, costs)."""
+
+    def __init__(self, drafters: "Drafter | Sequence[Drafter]", config: ControlConfig | None = None,
+                 cost: CostModel | None = None):
+        members = [drafters] if isinstance(drafters, Drafter) else list(drafters)
+        if not members or not all(isinstance(m, Drafter) for m in members):
+            raise ValueError("a controller needs one or more selfspec Drafters")
+        taps = {m.requires.taps for m in members if m.requires.taps}
+        if len(taps) > 1:
+            raise ValueError(f"drafters read different target taps {sorted(taps)}")
+        self.members, self.config, self.cost = members, config or ControlConfig(), cost
+        self.requires = Requirements(
+            hidden=any(m.requires.hidden for m in members), taps=taps.pop() if taps else (),
+            target_cache=len(members) == 1 and members[0].requires.target_cache,
+            tools=any(m.requires.tools for m in members), learns=any(m.requires.learns for m in members))
+        n = len(members)
+        self.arms: list[tuple[int, ...]] = [()] + [(i,) for i in range(n)] + ([tuple(range(n))] if n > 1 else [])
+        self.acceptance = AcceptanceModel([m.prior() for m in members], prior_weight=self.config.prior_weight,
+                                          decay=self.config.decay)
+        self.rng = random.Random(self.config.seed)
+        self.shapes: dict[tuple, tuple[DraftTree, list]] = {}  # (arm, its members' keys) -> latest tree
+        self.seen = [0] * n  # context length at each member's latest call this generation
+        self.usual = 1.0  # tokens a step commits (moving average)
+        self.arm_steps = [0] * len(self.arms)
+        self.trace: list[dict] | None = None  # set to [] to record one dict per step
+        self._pending: dict | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def check_target(self, model) -> None:
+        for m in self.members:
+            m.check_target(model)
+
+    def begin(self, model=None) -> None:
+        """A generation starts: members reset; the cost model is this machine's verify curve for
+        ``model`` (cached or measured now) unless one was given."""
+        for m in self.members:
+            m.reset()
+        self.seen = [0] * len(self.members)
+        if self.cost is None:
+            if model is None:
+                raise ValueError("a controller without a cost model needs the target model to measure one")
+            curve, source = verify_curve(model)
+            self.cost = CostModel(curve, source=source)
+
+    def end(self, tokens, prompt_len: int) -> None:
+        for m in self.members:
+            m.end(tokens, prompt_len)
+
+    # ------------------------------------------------------------------ one step
+    def choose(self, ctx: DraftContext) -> tuple[int, tuple[int, ...], int | None, int | None]:
+        """``(arm index, context state, node budget, depth cap)`` for this step (Thompson
+        sampling, module docstring). The budget and the cap are the sized tree's nodes and depth
+        plus one, so trees can grow back (``None``: the arm has no tree yet, or ``fixed``)."""
+        state = tuple(m.context_key(ctx) for m in self.members)
+        if self.config.fixed:
+            return len(self.arms) - 1, state, None, None
+        bucket = temperature_bucket(ctx.sampling.temperature)
+        draws: dict = {}
+
+        def rate(cell):
+            if cell not in draws:
+                draws[cell] = self.acceptance.draw(cell, self.rng)
+            return draws[cell]
+
+        best, best_score, budget, cap = 0, 1.0 / self.cost.verify(1), None, None
+        for a in range(len(self.arms) - 1, 0, -1):  # the merge first: it measures every member
+            arm = self.arms[a]
+            shape = self._shape(arm, state, bucket)
+            if shape is None:
+                return a, state, None, None
+            score, nodes, depth = self._score(arm, shape, rate, ctx)
+            if score > best_score:
+                best, best_score, budget, cap = a, score, nodes + 1, depth + 1
+        return best, state, budget, cap
+
+    def _score(self, arm: tuple[int, ...], shape, rate, ctx: DraftContext) -> tuple[float, int, int]:
+        """``(tokens per second, draft nodes, depth)`` of ``arm``'s tree ``shape`` sized with the
+        acceptance ``rate`` per cell, at the depth that pays best (each level costs each member
+        one drafting call)."""
+        tree, sources = shape
+        behind = [max(0, self._behind(m, ctx) - round(self.usual)) for m in arm]
+        per_level = sum(self.cost.draft(m) for m in arm)
+        catch_up = sum(self.cost.draft(m, b, 0) for m, b in zip(arm, behind))
+        values = node_values(tree, sources, rate)
+        kept, _ = size_tree(tree, values, self.cost.verify, catch_up + per_level * max(1, tree.depth),
+                            self.config.max_nodes)
+        depths = tree.depths.tolist()
+        gain = [0.0] * (tree.depth + 1)
+        count = [0] * (tree.depth + 1)
+        for i in kept[1:]:
+            gain[depths[i]] += values[i]
+            count[depths[i]] += 1
+        best, nodes, tokens, n = (1.0 / (catch_up + self.cost.verify(1)), 0, 0), 0, 1.0, 0
+        for d in range(1, tree.depth + 1):
+            tokens, n = tokens + gain[d], n + count[d]
+            r = tokens / (catch_up + per_level * d + self.cost.verify(n + 1))
+            if r > best[0]:
+                best = (r, n, d)
+        return best
+
+    def propose(self, ctx: DraftContext, clock=time.perf_counter) -> Proposal:
+        """This step's proposal (a root-only tree on the plain arm); members are timed on
+        ``clock``, the engine's."""
+        a, state, budget, cap = self.choose(ctx)
+        arm, bucket = self.arms[a], temperature_bucket(ctx.sampling.temperature)
+        parts, spent, handoff = [], 0.0, None
+        for m in arm:
+            mctx = replace(ctx, point_mass=len(arm) > 1 and m != arm[0], max_nodes=budget,
+                           max_depth=ctx.max_depth if cap is None else min(ctx.max_depth, cap),
+                           cache=ctx.cache if len(arm) == 1 and self.members[m].requires.target_cache else None)
+            t0 = clock()
+            proposal = Proposal.of(self.members[m].propose(mctx))
+            seconds = clock() - t0
+            spent += seconds
+            tree = _checked_tree(proposal, mctx)
+            self.cost.record_draft(m, seconds, self._behind(m, ctx), round(self.usual), tree.depth)
+            self.seen[m] = ctx.tokens.shape[0]
+            handoff = proposal.handoff
+            parts.append((tree, member_sources(tree, m, state[m], bucket)))
+            self.shapes[((m,), (state[m],))] = parts[-1]
+        if not parts:
+            tree, sources = DraftTree.root_only(ctx.root_token), [[]]
+        else:
+            tree, sources = merge(parts) if len(parts) > 1 else parts[0]
+            if len(parts) > 1:
+                self.shapes[(arm, state)] = (tree, sources)
+            if handoff is None and not self.config.fixed:
+                values = node_values(tree, sources, self.acceptance.mean)
+                keep, _ = size_tree(tree, values, self.cost.verify, spent, self.config.max_nodes, cut_sampled=False)
+                tree, sources = subtree(tree, keep), [sources[i] for i in keep]
+        self.arm_steps[a] += 1
+        self._pending = dict(arm=a, state=state, tree=tree, sources=sources, draft_s=spent)
+        return Proposal(tree, handoff)
+
+    def observe(self, tree: DraftTree, verdict: Verdict, tokens: list[int], verify_s: float) -> None:
+        """Record the verified step: ``tokens`` committed, ``verify_s`` seconds of its tree pass."""
+        pending, self._pending = self._pending, None
+        self.usual += 0.1 * (len(tokens) - self.usual)
+        proposed = set(self.arms[pending["arm"]]) if pending is not None else set()
+        if self.cost is not None:
+            self.cost.record_verify(tree.num_nodes, verify_s)
+        if pending is not None and pending["tree"] is tree:
+            on_path, parents = set(verdict.path), tree.parents.tolist()
+            outcomes: dict[int, list] = {m: [] for m in proposed}
+            for i in range(1, tree.num_nodes):
+                if parents[i] in on_path:
+                    for cell in pending["sources"][i]:
+                        outcomes[cell[0]].append((cell, i in on_path))
+            for m, cells in outcomes.items():
+                self.acceptance.record(m, cells)
+            if self.trace is not None:
+                self.trace.append(dict(arm=self.arms[pending["arm"]], state=pending["state"], nodes=tree.num_nodes,
+                                       accepted=verdict.num_accepted, draft_s=pending["draft_s"], verify_s=verify_s))
+        for m, member in enumerate(self.members):
+            member.observe(Step(tokens, tree, verdict, m in proposed))
+
+    def _behind(self, m: int, ctx: DraftContext) -> int:
+        """Positions member ``m`` has to catch up on before drafting from ``ctx``."""
+        return ctx.tokens.shape[0] - self.seen[m]
+
+    def _shape(self, arm: tuple[int, ...], state: tuple[int, ...], bucket: int):
+        """The arm's latest tree in this state (a merge never run here: its members' latest trees
+        merged), re-keyed to this temperature bucket; ``None``: never run."""
+        keys = tuple(state[m] for m in arm)
+        shape = self.shapes.get((arm, keys))
+        if shape is None and len(arm) > 1:
+            parts = [self.shapes.get(((m,), (state[m],))) for m in arm]
+            if any(p is None for p in parts):
+                return None
+            try:
+                shape = merge([(t, s) for t, s in parts])
+            except ValueError:  # a stale sampled tree in second place: count it as point masses
+                return None
+        if shape is None:
+            return None
+        tree, sources = shape
+        return tree, [[c[:4] + (bucket,) for c in cells] for cells in sources]
+
+
+def _checked_tree(proposal: Proposal, ctx: DraftContext) -> DraftTree:
+    """The proposal's tree, checked against ``ctx`` and cut to ``ctx.max_depth`` (a tree with a
+    layer handoff cannot be cut: its nodes' KV is written)."""
+    tree = proposal.tree
+    if not isinstance(tree, DraftTree):
+        raise ValueError(f"drafter returned {type(tree).__name__}, expected a DraftTree or a Proposal")
+    if int(tree.tokens[0]) != ctx.root_token:
+        raise ValueError(f"drafter returned a tree rooted at {int(tree.tokens[0])}, expected {ctx.root_token}")
+    if ctx.point_mass and bool((tree.laws[1:] != 0).any()):
+        raise ValueError("drafter returned sampled children where point masses were asked for")
+    if proposal.handoff is not None:
+        if ctx.cache is None:
+            raise ValueError("drafter returned a layer handoff without being given the target's cache")
+        if tree.depth > ctx.max_depth:
+            raise ValueError(f"drafter returned a tree of depth {tree.depth} > max_depth {ctx.max_depth} with a layer handoff")
+        return tree
+    return tree.prune_depth(ctx.max_depth)
