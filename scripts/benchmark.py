@@ -6,9 +6,8 @@
 Question files: Spec-Bench format (``question_id``, ``category``, ``turns``; multi-turn replayed
 turn by turn) or BFCL format (``question`` messages + ``function`` tools in the system message).
 Methods: selfspec drafter specs (``ngram``, ``medusa`` / ``layerskip`` = the shipped checkpoints, a
-checkpoint folder, ``kind:key=value``, ``a+b`` unions (``union@key=value,...:a+b`` with union options,
-e.g. ``union@explore_budget=0.02,explore_share=0:eagle3+ngram``), ``spec@key=value`` tree options, ``spec#fixed``
-to draft every step without the adaptive fallback, ``spec%dtype`` to run it on a copy of the target
+checkpoint folder, ``kind:key=value``, ``a+b`` unions, ``spec@key=value`` policy options, ``spec#fixed``
+to draft whole trees every step (no controller decisions), ``spec%dtype`` to run it on a copy of the target
 loaded in that dtype, e.g. ``none%bfloat16`` = plain bf16 decoding, against the main ``--dtype``
 baseline) and peers on the same model through
 ``transformers.generate``: ``hf-greedy``, ``hf-prompt-lookup[:N]``, ``hf-early-exit:E``.
@@ -66,7 +65,7 @@ def main(argv=None) -> None:
                     help="target dtype: float32, bfloat16 or auto (default: bfloat16 where it runs natively and "
                          "measures faster here, else float32; the result records the dtype it ran)")
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--no-adaptive", action="store_true", help="selfspec methods draft every step")
+    ap.add_argument("--fixed", action="store_true", help="selfspec methods draft whole trees every step")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every turn's methods N times (order rotated between rounds) and keep each "
                          "method's median run: steadier ratios on a shared machine, at N times the cost")
@@ -112,15 +111,15 @@ def main(argv=None) -> None:
     def method(spec: str):
         spec, _, dtype = spec.partition("%")
         if not dtype:
-            return benchmark.method_from_spec(model, spec, args.model, not args.no_adaptive, tokenizer)
+            return benchmark.method_from_spec(model, spec, args.model, args.fixed, tokenizer)
         if dtype not in others:
             others[dtype] = selfspec.load_target(args.model, dtype=dtype)[0]
         return benchmark.OnModel(others[dtype], benchmark.method_from_spec(
-            others[dtype], spec, args.model, not args.no_adaptive, tokenizer))
+            others[dtype], spec, args.model, args.fixed, tokenizer))
 
     methods = {spec: method(spec) for spec in args.methods}
     partial = args.out + ".partial.jsonl" if args.out else None
-    settings = {k: vars(args)[k] for k in ("model", "max_new_tokens", "temperature", "no_adaptive", "dtype", "constrain")}
+    settings = {k: vars(args)[k] for k in ("model", "max_new_tokens", "temperature", "fixed", "dtype", "constrain")}
     if args.repeats != 1:  # (files written before --repeats existed resume as before)
         settings["repeats"] = args.repeats
     done = []

@@ -22,8 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
+from selfspec.control import ControlConfig, Controller  # noqa: E402
 from selfspec.drafters import drafter_from_spec, recommended_setting, shipped_checkpoint  # noqa: E402
-from selfspec.loading import bf16_is_fast  # noqa: E402
+from selfspec.machine import bf16_is_fast  # noqa: E402
 from selfspec.measurement.measure import compare, divergence  # noqa: E402
 
 DEFAULT_PROMPT = (
@@ -51,7 +52,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="alternating plain/speculative runs to time")
     ap.add_argument("--system", default=None, help="optional system message")
-    ap.add_argument("--no-adaptive", action="store_true", help="draft every step (no fallback to plain steps)")
+    ap.add_argument("--fixed", action="store_true",
+                    help="draft every step with every drafter and verify whole trees (no controller decisions)")
     ap.add_argument("--stream", action="store_true", help="print the speculative run's text as each step is verified")
     args = ap.parse_args(argv)
 
@@ -70,8 +72,10 @@ def main(argv=None) -> None:
         reference, _ = selfspec.load_target(args.model, dtype="float32")
     ids = encode_chat(tokenizer, args.prompt, system=args.system)
     drafter = drafter_from_spec(model, drafter_spec, args.model, tokenizer)
+    if drafter is not None:  # one controller for every run here: it learns across them
+        drafter = Controller(drafter, ControlConfig(fixed=args.fixed))
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-               top_p=args.top_p, seed=args.seed, adaptive=not args.no_adaptive)
+               top_p=args.top_p, seed=args.seed)
     streamer = None
     if args.stream:
         from transformers import TextStreamer
@@ -97,9 +101,9 @@ def main(argv=None) -> None:
     print(f"mean accepted length {spec.stats.mean_accepted_length:7.2f}   (tokens per target pass, plain = 1)")
     acc = ", ".join(f"{a:.2f}" for a in spec.stats.acceptance_per_depth[:6])
     print(f"acceptance per depth [{acc}]")
-    if not args.no_adaptive:
-        print(f"adaptive             {spec.stats.plain_steps} of {spec.stats.steps} steps ran plain "
-              f"({spec.stats.fallbacks} fallback(s) while drafting did not pay)")
+    if drafter is not None and not args.fixed:
+        print(f"controller           {spec.stats.plain_steps} of {spec.stats.steps} steps ran plain (drafting did "
+              f"not pay there); verify cost curve {drafter.cost.source}")
     if args.temperature == 0:
         print(f"identical to plain greedy ({dtype_name}): {result.identical}")
         why = divergence(model, plain.sequences, spec.sequences, ids.shape[1])

@@ -61,16 +61,8 @@ def _randomised(drafter, scale=0.3, seed=1):
     return drafter
 
 
-def _step_clock():
-    import itertools
-
-    ticks = itertools.count()
-    return lambda: next(ticks) * 1e-3
-
-
 def exactness(device: str) -> dict:
     from selfspec.drafters import build_drafter
-    from selfspec.drafters.union import UnionDrafter
 
     model = _tiny_llama(device)
     prompt = torch.tensor([[5, 17, 33, 5, 17, 33, 5, 17, 9, 40, 5, 17, 33, 7]], device=device)
@@ -83,12 +75,10 @@ def exactness(device: str) -> dict:
         "layerskip": lambda: _randomised(build_drafter(model, "layerskip", exit_layer=2)),
         "layerskip_lora": lambda: build_drafter(model, "layerskip_lora", exit_layer=2, rank=4),
         "eagle3": lambda: _randomised(build_drafter(model, "eagle3", draft_vocab_size=128)),
-        # Unions choose arms by measured time; a step clock makes their choices (so a sampled
-        # output) a function of the seed alone.
-        "eagle3+ngram": lambda: UnionDrafter(clock=_step_clock(), members=[
-            _randomised(build_drafter(model, "eagle3", draft_vocab_size=128)), build_drafter(model, "ngram", min_ngram=1)]),
-        "suffix+ngram": lambda: UnionDrafter(clock=_step_clock(), members=[
-            build_drafter(model, "suffix"), build_drafter(model, "ngram", min_ngram=1)]),
+        # unions: the controller merges them (control=False below: every step drafts both)
+        "eagle3+ngram": lambda: [_randomised(build_drafter(model, "eagle3", draft_vocab_size=128)),
+                                 build_drafter(model, "ngram", min_ngram=1)],
+        "suffix+ngram": lambda: [build_drafter(model, "suffix"), build_drafter(model, "ngram", min_ngram=1)],
     }
     rows = []
     for name, build in kinds.items():
@@ -103,9 +93,9 @@ def exactness(device: str) -> dict:
             row["greedy_identical"] = bool(torch.equal(out.sequences, ref))
             row["mean_accepted_length"] = round(out.stats.mean_accepted_length, 3)
             a = selfspec.generate(model, prompt, drafter=make(), max_new_tokens=n, temperature=0.8, top_p=0.9, seed=3,
-                                  adaptive=False)  # the adaptive policy decides by measured time
+                                  control=False)  # the controller decides by measured time
             b = selfspec.generate(model, prompt, drafter=make(), max_new_tokens=n, temperature=0.8, top_p=0.9, seed=3,
-                                  adaptive=False)
+                                  control=False)
             row["sampled_reproducible"] = bool(torch.equal(a.sequences, b.sequences))
             row["sampled_tokens"] = int(a.stats.new_tokens)
         except Exception as exc:  # report every kind, not the first failure only
@@ -169,7 +159,7 @@ def _timed_run(recipe_cls, cfg, out_dir: Path, device: str, steps: int, **given)
 
 
 def training(device: str, small: bool, steps: int) -> dict:
-    from training.config import load_any
+    from training.jobs import load_any
     from training.dry_run import KNOWN_TARGETS, estimate
     from training.recipes.eagle3 import Eagle3Recipe
 
@@ -296,7 +286,7 @@ def medusa_training(device: str, small: bool, steps: int) -> dict:
     """The Medusa GPU recipe (``configs/medusa_qwen2.5-7b_gpu.yaml``, online features) on a
     Qwen2.5-7B-shaped random target in bf16, ``optim.grad_accum=4`` (one GPU holds a quarter of
     the 8k-token batch's vocabulary-sized logits at a time); tokens/s and peak memory."""
-    from training.config import load_any
+    from training.jobs import load_any
     from training.dry_run import KNOWN_TARGETS, estimate
     from training.recipes.medusa import MedusaRecipe
 

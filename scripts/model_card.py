@@ -60,33 +60,14 @@ ROOT = Path(__file__).resolve().parents[1]
 CARDS = ROOT / "checkpoints" / "cards.json"
 
 
-def _tree(o: dict) -> str:
-    return f"{o['max_depth']}/{o['width']}/{o['max_nodes']}"
-
-
-def _stored_trees(cfg: dict, extra: dict) -> str:
-    """The dynamic trees an eagle3 checkpoint carries, per target dtype and CPU class (what
-    ``load_drafter`` picks from), and the one in ``config`` for dtypes with no entry."""
-    parts = []
-    for table, what in (("options_by_dtype", "alone"), ("options_in_union_by_dtype", "inside unions"),
-                        ("options_sampled_by_dtype", "sampled steps (T > 0)")):
-        entries = extra.get(table) or {}
-        if entries:
-            parts.append(f"{what}: " + ", ".join(f"{_tree(o)} (`{k}`)" for k, o in entries.items()))
-    if not parts:
-        return f"Dynamic tree: depth <= {cfg['max_depth']}, width {cfg['width']}, {cfg['max_nodes']} nodes."
-    return ("Dynamic trees (depth / width / nodes) by target dtype and class of CPU: " + "; ".join(parts)
-            + f"; for a dtype with no entry of its own, {_tree(cfg)} (inside unions and for sampled steps, where "
-            "the dtype has no entry there, the head's own tree).")
-
-
 def _kind_lines(kind: str, cfg: dict, extra: dict | None = None) -> list[str]:
-    """What the drafter is, from its stored config (and, for eagle3, the trees stored per dtype)."""
+    """What the drafter is, from its stored config."""
     if kind == "eagle3":
         return ["EAGLE-3-class head: one decoder layer over the target's fused hidden states at taps "
                 f"{cfg['taps']} (inputs of those layers), the embedding of the last drafted token and its "
                 f"own previous output; LM head over a reduced vocabulary of {cfg['draft_vocab_size']} tokens. "
-                + _stored_trees(cfg, extra or {}), ""]
+                "Its trees are sized per step by the controller (`selfspec.control`) from the acceptance below and "
+                "this machine's verify cost, measured on first use.", ""]
     if kind == "medusa":
         return [f"Medusa heads: {cfg['num_heads']} heads, head k a stack of {cfg['num_layers']} residual block(s) "
                 "`x + SiLU(W x + b)` on the target's last hidden state, then the target's frozen LM head"
@@ -94,16 +75,14 @@ def _kind_lines(kind: str, cfg: dict, extra: dict | None = None) -> list[str]:
     if kind == "layerskip_lora":
         return [f"LoRA layer-skip: weight-sharing copies of the target's first {cfg['exit_layer']} decoder layers carrying "
                 f"PEFT LoRA adapters (rank {cfg['rank']}, alpha {cfg['alpha']}), then the target's final norm and LM head; "
-                f"the target is not modified, so there is no KV reuse. Dynamic tree: depth <= {cfg['max_depth']}, width "
-                f"{cfg['width']}, {cfg['max_nodes']} nodes.", ""]
+                "the target is not modified, so there is no KV reuse. Trees sized per step by the controller.", ""]
     if kind == "layerskip":
         adapter = {"block": f"{cfg.get('adapter_layers', 1)} residual block(s) `x + SiLU(W x + b)`",
                    "none": "no adapter"}.get(cfg.get("adapter"), cfg.get("adapter", "LoRA adapters"))
-        reuse = ("the drafting layers' keys / values are handed to the verify pass, which runs only the "
-                 "layers above" if cfg.get("kv_reuse") else "no KV reuse")
         return [f"Layer-skip: the target's own first {cfg['exit_layer']} decoder layers (unmodified, shared), then "
-                f"{adapter}, then the target's final norm and LM head; {reuse}. Dynamic tree: depth <= "
-                f"{cfg['max_depth']}, width {cfg['width']}, {cfg['max_nodes']} nodes.", ""]
+                f"{adapter}, then the target's final norm and LM head; drafting alone, the drafting layers' keys / "
+                "values go to the verify pass, which runs only the layers above. Trees sized per step by the "
+                "controller.", ""]
     return []
 
 
@@ -133,55 +112,19 @@ def _eval_lines(kind: str, ev: dict) -> list[str]:
 
 
 def _calibration_lines(extra: dict) -> list[str]:
-    lines = []
-    calib = extra.get("options_by_dtype", {})
-    if calib:
-        lines += ["## Calibrated trees (`scripts/calibrate.py --dtype ...`, on the CPU named per tree)", "",
-                  "Keyed `dtype@class` (class of CPU kernels: `amx`, `avx512_bf16`, `avx512`, `avx2`): `load_drafter` "
-                  "uses the entry of the machine's class, else the bare dtype's (calibrated before classes were "
-                  "kept apart, on the CPU named).", ""]
-
-        def where(record: dict) -> str:  # the CPU a tree was measured on (older records: none)
-            return f" (on {record['cpu']})" if record.get("cpu") else ""
-
-        for dtype, opts in calib.items():
-            record = extra.get("calibration_by_dtype", {}).get(dtype, {})
-            lines.append(f"- {dtype}{where(record)}: {opts}")
-            if "grid" in record:
-                lines.append("  measured speedup over plain decoding on held-out chat prompts: " + "; ".join(
-                    f"{g['max_depth']}/{g['width']}/{g['max_nodes']} (depth/width/nodes) {v:.2f}x"
-                    for g, v in zip(record["grid"], record["measured_speedup"])))
-        for dtype, opts in extra.get("options_in_union_by_dtype", {}).items():
-            record = extra.get("calibration_in_union_by_dtype", {}).get(dtype, {})
-            lines.append(f"- {dtype}, as a member of unions (`--within {record.get('within', '?')}`){where(record)}: {opts}")
-            if "grid" in record:
-                lines.append(f"  measured speedup of the union with `{record.get('within')}` over plain decoding: " + "; ".join(
-                    f"{g['max_depth']}/{g['width']}/{g['max_nodes']} {v:.2f}x"
-                    for g, v in zip(record["grid"], record["measured_speedup"])))
-        for dtype, opts in extra.get("options_sampled_by_dtype", {}).items():
-            record = extra.get("calibration_sampled_by_dtype", {}).get(dtype, {})
-            lines.append(f"- {dtype}, steps drafted alone at T > 0 (`--temperature {record.get('temperature', '?')}`)"
-                         f"{where(record)}: {opts}")
-            if "grid" in record:
-                lines.append(f"  measured speedup over plain decoding at T={record.get('temperature')} (sampled children; "
-                             "entries out of the race early ran fewer prompts): " + "; ".join(
-                                 f"{g['max_depth']}/{g['width']}/{g['max_nodes']} {v:.2f}x"
-                                 for g, v in zip(record["grid"], record["measured_speedup"])))
-            if record.get("head_weights_note"):
-                lines.append(f"  ({record['head_weights_note']})")
-        return lines + [""]
-    c = extra.get("calibration")
-    if not c:
+    """The measured acceptance a controller starts from (``scripts/calibrate.py``)."""
+    acc = extra.get("acceptance")
+    if not isinstance(acc, dict):
         return []
-    lines += [f"## Calibration (`scripts/calibrate.py`, {c.get('machine', '?').strip()}, {c.get('torch_threads', '?')} threads)", ""]
-    if "measured_speedup" in c:
-        lines.append("Measured speedup over plain decoding by node budget on "
-                     f"{c.get('prompts', '?')} calibration prompts: " + ", ".join(
-                         f"{n} nodes {v:.2f}x" for n, v in c["measured_speedup"].items())
-                     + f"; stored `max_nodes: {c.get('max_nodes')}`.")
-    if "tree" in c:
-        lines.append(f"Tree chosen for a {c.get('budget')}-node budget from measured acceptance and verify cost on "
-                     f"{c.get('prompts', '?')} prompts: `{c['tree']}` (expected MAT {c.get('expected_mat', 0):.2f}).")
+    lines = [f"## Measured acceptance (`scripts/calibrate.py`, {acc.get('prompts', '?')} held-out prompts, "
+             f"{acc.get('dtype', '?')})", "",
+             "Share of draft nodes accepted given their parent was, per depth (rows) and sibling rank (columns); "
+             "the controller's prior for this head.", ""]
+    for name in ("greedy", "sampled"):
+        if isinstance(acc.get(name), list):
+            title = "greedy" if name == "greedy" else f"T={acc.get('temperature', '?')}"
+            lines.append(f"- {title}: " + "; ".join(f"d{d + 1} " + "/".join(f"{x:.2f}" for x in row)
+                                                    for d, row in enumerate(acc[name])))
     return lines + [""]
 
 
@@ -230,22 +173,6 @@ def card_text(ckpt: Path, results: list[str], costs: str | None = None, about: s
                       f"{extra['vocab_in_use_coverage']:.3f} of the latest run's held-out response tokens.", ""]
     lines += _eval_lines(meta["kind"], ev)
     lines += _calibration_lines(extra)
-    c = json.loads((ROOT / costs).read_text(encoding="utf-8")) if costs else {}
-    if "ms_per_step" in c:  # scripts/draft_cost.py
-        t, ms = c["tree"], c["ms_per_step"]
-        lines += [f"## Draft-step cost ({c.get('dtype', 'bfloat16')}, `{costs}`)", "",
-                  f"Median milliseconds per speculative step, drafting every step on held-out chat prompts, tree "
-                  f"{_tree(t)} (depth / width / nodes), head weights {t['head_weights']}, {c['threads']} threads, "
-                  f"mean accepted length {c['mean_accepted_length']:.2f} (`{c['command']}`):", "",
-                  "| part | ms / step |", "|---|---|"] + [f"| {part} | {v:.1f} |" for part, v in ms.items()] + [""]
-    elif c:  # scripts/profile_draft.py
-        d = c["draft"]
-        lines += [f"## Draft-step cost ({c['dtype']}, `{costs}`)", "",
-                  f"propose {d['propose_s'] * 1e3:.1f} ms for {d['tree']}: per level the draft layer "
-                  f"{d['layer_call_s'] * 1e3:.2f} ms and the head (norm, {d['draft_vocab_size']}-row LM head, "
-                  f"log-softmax, top-k) {d['head_call_s'] * 1e3:.2f} ms; tree building and Python the rest "
-                  f"({d['overhead_s'] * 1e3:.1f} ms). A verify pass over 1 / 8 / 16 nodes: "
-                  + " / ".join(f"{c['verify'][str(n)]['hooks'] * 1e3:.0f}" for n in (1, 8, 16)) + " ms.", ""]
     if results:
         alone = []
         for p in results:

@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     for cand in ranked[: args.tries]:
         drafter = build_drafter(model, "layerskip", exit_layer=cand.exit_layer, adapter="none",
                                 max_depth=cand.depth, width=1, branch=1, max_nodes=cand.depth, min_score=0.0)
-        speed = pooled_speedup([compare(model, ids, drafter, max_new_tokens=64, adaptive=False) for ids in prompts[:3]])
+        speed = pooled_speedup([compare(model, ids, drafter, max_new_tokens=64, control=False) for ids in prompts[:3]])
         measured.append((speed, cand))
         print(f"E={cand.exit_layer} D={cand.depth}: acceptance {cand.acceptance:.3f}, expected MAT "
               f"{cand.expected_mat:.2f}, expected speedup {cand.expected_speedup:.2f}x, measured {speed:.2f}x")

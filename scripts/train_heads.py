@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from training import recipes  # noqa: E402
-from training.config import load_any  # noqa: E402
+from training.jobs import load_any  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -264,8 +264,6 @@ def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_
     needs = controller.requires if controller is not None else None
     target = TreeTarget(model, want_hidden=needs is not None and needs.hidden, taps=needs.taps if needs else ())
     limit = context_length(model) or ids.shape[0] + max_new_tokens
-    if controller is not None:
-        controller.begin(model)
     return dict(target=target, ids=ids, controller=controller, cfg=cfg, gen=gen, max_new_tokens=max_new_tokens,
                 eos=eos, context_limit=limit, prefix_cache=prefix_cache, constraint=constraint, tools=tools,
                 lock=model_lock(model))
@@ -326,7 +324,7 @@ def decode(
 
     ``target`` is anything with ``prefill``, ``forward_tree``, ``commit`` and ``prefix_len`` like
     :class:`TreeTarget` (tests plug in cheap table-driven targets). ``ids``: ``[L]`` on the CPU.
-    ``controller`` (optional, already begun) proposes each step's tree from seconds read off
+    ``controller`` (optional) proposes each step's tree from seconds read off
     ``clock`` (tests inject a deterministic one); ``None``: plain steps. ``streamer`` (optional,
     ``put`` / ``end``) gets the prompt ``[1, L]``, then each step's new tokens ``[k]``, then
     ``end()``. ``prefix_cache`` (optional): reuse and store the target's committed state across
@@ -345,6 +343,8 @@ def decode(
 def _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit, clock, streamer, prefix_cache,
             constraint, tools) -> SpecOutput:
     stats = SpecStats()
+    if controller is not None:  # members reset; the verify cost curve of the target's model, if not known yet
+        controller.begin(getattr(target, "model", None))
     if streamer is not None:
         streamer.put(ids[None].clone())
     share = controller is not None and controller.requires.target_cache and getattr(target, "supports_handoff", False)

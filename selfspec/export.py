@@ -85,7 +85,7 @@ def eagle3_layout(drafter: Eagle3Drafter, dtype: torch.dtype) -> tuple[dict, dic
     layer = drafter.head.cfg
     if layer.hidden_act != "silu":
         raise ExportError(f"the engines' EAGLE-3 layer has a SiLU MLP; this head uses {layer.hidden_act!r}")
-    taps = list(drafter.taps)
+    taps = list(drafter.requires.taps)
     if min(taps) < 1:
         raise ExportError(f"SGLang cannot capture tap {min(taps)} (the embeddings); retrain with taps >= 1")
     config = layer.to_dict()

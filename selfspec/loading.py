@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from .machine import bf16_is_fast
+
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
 
@@ -70,16 +72,6 @@ def resolve(name_or_path: str) -> tuple[str, str | None]:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-def bf16_is_fast(device: str = "cpu") -> bool:
-    """Whether bfloat16 matmuls run natively here: a CUDA device with bf16, or a CPU with
-    AVX512-BF16 / AMX-BF16 (elsewhere bf16 is emulated and slower than float32)."""
-    if str(device).startswith("cuda"):
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    from .measurement.machine import cpu_class
-
-    return cpu_class() in ("amx", "avx512_bf16")
 
 
 _BF16_FASTER: dict[str, bool] = {}

@@ -50,7 +50,7 @@ def skinny_pays(dtype: torch.dtype, device="cpu", identity: dict | None = None) 
     faster, a CPU with AVX2 but no AVX-512 (docs/results/r24_forward_cost_f32_avx2: 2-16 rows
     cost 85-131 ms against 114-148 ms row-major). With AVX-512 the row-major product is faster
     (docs/results/r28_forward_cost_amx: 2 / 8 rows 39.6 / 57.3 ms against 72.2 / 74.5 skinny)."""
-    from .measurement.machine import cpu_class
+    from .machine import cpu_class
 
     return skinny_available(dtype, device) and cpu_class(identity) == "avx2"
 

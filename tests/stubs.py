@@ -12,6 +12,16 @@ from selfspec.target import TreeOutput
 from selfspec.tree import DraftTree, Law, TreeBuilder
 
 
+def fixed(drafter, **config):
+    """``drafter`` (one or several) under a controller that drafts every step with all of them and
+    verifies their trees whole (no arm choice: the old ``adaptive=False``), at a flat cost."""
+    from selfspec.control import ControlConfig, Controller, CostModel
+
+    if drafter is None or isinstance(drafter, Controller):
+        return drafter
+    return Controller(drafter, ControlConfig(**({"fixed": True} | config)), cost=CostModel.flat())
+
+
 class TableTarget:
     """A cheap target: logits depend on the last two tokens through a fixed random table.
 
@@ -101,33 +111,21 @@ class ScriptedDrafter(Drafter):
                 draws = torch.multinomial(q, self.sampled, replacement=True, generator=gen).tolist()
             else:
                 base = q.clone()
-                base[[b._tokens[m] for m in made]] = 0  # WOR: exclude the earlier siblings
+                base[[b.token(m) for m in made]] = 0  # WOR: exclude the earlier siblings
                 draws = torch.multinomial(base / base.sum(), self.sampled, replacement=False, generator=gen).tolist()
             made += [b.add(node, t, self.law) for t in draws]
         return made
 
-    merged_point_only = False  # set on a union member's copy: point-mass children in merged steps
-
-    def may_sample(self) -> bool:
-        return self.sampled > 0
-
-    def point_mass_when_merged(self) -> "ScriptedDrafter":
-        if not self.sampled:
-            return self
-        other = copy.copy(self)
-        other.merged_point_only = True
-        return other
-
     def propose(self, ctx: DraftContext) -> DraftTree:
-        if ctx.merged and self.merged_point_only:
+        if ctx.point_mass and self.sampled:  # asked for point masses (a merge with another member's sampled tree)
             merged = copy.copy(self)
-            merged.point, merged.sampled, merged.merged_point_only = max(self.point, 1), 0, False
-            return merged.propose(replace(ctx, merged=False))
+            merged.point, merged.sampled = max(self.point, 1), 0
+            return merged.propose(replace(ctx, point_mass=False))
         b = TreeBuilder(ctx.root_token)
         if ctx.max_depth >= 1:
             kids = self._add_children(b, 0, ctx.root_token, ctx.generator)
             if ctx.max_depth >= 2 and kids:
-                self._add_children(b, kids[0], b._tokens[kids[0]], ctx.generator)
+                self._add_children(b, kids[0], b.token(kids[0]), ctx.generator)
         return b.build()
 
 

@@ -292,7 +292,7 @@ def test_race_entries_are_interleaved_prompt_by_prompt(monkeypatch):
 def test_calibrations_are_looked_up_for_this_class_of_machine_first():
     """``dtype@class`` entries (scripts/calibrate.py since round 28) win over the bare dtype's
     (earlier rounds, another CPU), which is the fallback; other dtypes and classes are ignored."""
-    from selfspec.measurement.machine import cpu_class, for_machine, machine_key
+    from selfspec.machine import cpu_class, for_machine, machine_key
 
     amx = {"flags": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]}
     zen4 = {"flags": ["avx2", "avx512f", "avx512_bf16"]}

@@ -90,7 +90,7 @@ def test_benchmark_prompts_never_reach_distillation(tmp_path):
     assert not set(users) & held
     assert "Tell me a joke." in users and "book a table" in users and "call f 3" in users
     if DATA.exists():
-        from training.config import load_any
+        from training.jobs import load_any
 
         job = load_any(Path(__file__).resolve().parents[1] / "configs" / "distill_chat_smollm2.yaml")
         real = collect_prompts(DistillConfig(**(job.distill.__dict__ | {"data_dir": str(DATA)})))

@@ -10,7 +10,8 @@ tokens), whose law of the first three generated tokens is enumerated exactly:
   engine's own verifier (:func:`selfspec.verify.verify_batch`, the code ``verify_tree`` runs with
   B = 1). Every child law is crossed with temperature, top-k and top-p. Seconds per case.
 * **Decode-loop harness**: fewer samples through the real engine loop (``decode``: tree
-  building, the target protocol, commits, adaptive policy), for what the batched harness skips.
+  building, the target protocol, commits, the controller's arms, merges and cuts), for what the
+  batched harness skips.
 
 Test: Pearson chi-square at a 1e-6 false-failure rate; cells with expected count < 5 are pooled;
 any sample outside the support fails. Power (``detectable_tv``): with 130-215 pooled cells at
@@ -34,7 +35,7 @@ from selfspec.engine import decode
 from selfspec.sampling import SamplingConfig, sample, target_probs
 from selfspec.tree import DraftTree, Law
 from selfspec.verify import TreeBatch, verify_batch
-from stubs import ScriptedDrafter, table_target
+from stubs import ScriptedDrafter, TableTarget, fixed, table_target
 
 VOCAB, PROMPT, NEW, SAMPLES = 6, [1, 2], 3, 20000
 BATCH_SAMPLES = 200_000
@@ -69,8 +70,9 @@ def draw_with(cfg: SamplingConfig, drafter, *, n: int = SAMPLES, seed: int = 0, 
     """Counts of the first NEW tokens over n speculative generations through the decode loop."""
     target, gen, counts = table_target(VOCAB, hidden_size=hidden_size), torch.Generator().manual_seed(seed), {}
     ids = torch.tensor(prompt)
+    controller = fixed(drafter)  # every step drafts, whole trees verified
     for _ in range(n):
-        out = decode(target, ids, drafter, cfg, gen, NEW, set(), 100)
+        out = decode(target, ids, controller, cfg, gen, NEW, set(), 100)
         key = tuple(out.sequences[0, len(prompt):].tolist())
         counts[key] = counts.get(key, 0) + 1
     return counts
@@ -137,11 +139,12 @@ class BatchedScript:
                                torch.zeros(2, VOCAB, dtype=torch.float64) if sampled else None,
                                torch.tensor(row))
 
-    def _children(self, last: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def _children(self, last: torch.Tensor, gen: torch.Generator, law: Law | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        law = law or self.law
         kids = [self.point_table[last, :self.point]]
         q = self.q_table[last]  # [b, V]
         if self.sampled:
-            if self.law == Law.IID:
+            if law == Law.IID:
                 kids.append(torch.multinomial(q, self.sampled, replacement=True, generator=gen))
             else:
                 base = q.clone()
@@ -158,6 +161,26 @@ class BatchedScript:
         return TreeBatch(self.shape, tokens, torch.stack([q0, q1], dim=1) if self.sampled else None)
 
 
+class TwoLawScript(BatchedScript):
+    """Depth-2 trees whose two root children (drawn without replacement) have children of two
+    laws: two i.i.d. draws under the first, two draws without replacement under the second. Walkers
+    standing on the two nodes test one column of children with both laws at once."""
+
+    def __init__(self, seed: int = 1):
+        super().__init__(point=0, sampled=2, law=Law.WOR, seed=seed)
+        laws = [Law.POINT, Law.WOR, Law.WOR, Law.IID, Law.IID, Law.WOR, Law.WOR]
+        self.shape = DraftTree(torch.zeros(7, dtype=torch.long), torch.tensor([-1, 0, 0, 1, 1, 2, 2]),
+                               torch.tensor([int(x) for x in laws]), torch.zeros(3, VOCAB, dtype=torch.float64),
+                               torch.tensor([0, 1, 2, -1, -1, -1, -1]))
+
+    def propose(self, root: torch.Tensor, gen: torch.Generator) -> TreeBatch:
+        first, q0 = self._children(root, gen, Law.WOR)
+        under1, q1 = self._children(first[:, 0], gen, Law.IID)
+        under2, q2 = self._children(first[:, 1], gen, Law.WOR)
+        tokens = torch.cat([root[:, None], first, under1, under2], dim=1)
+        return TreeBatch(self.shape, tokens, torch.stack([q0, q1, q2], dim=1))
+
+
 class RootOnly:
     """Plain decoding: one-node trees (the next token is the bonus draw from the full p)."""
 
@@ -167,10 +190,11 @@ class RootOnly:
         return TreeBatch(self.shape, root[:, None])
 
 
-def batched_counts(cfg: SamplingConfig, drafter, n: int = BATCH_SAMPLES, seed: int = 0
-                   ) -> dict[tuple[int, ...], int]:
-    """Counts of the first NEW tokens of n generations, all walking in lockstep."""
-    table = target_probs(table_target(VOCAB).table, cfg)  # [V, V, V]: the law after every 2-token prefix
+def batched_counts(cfg: SamplingConfig, drafter, n: int = BATCH_SAMPLES, seed: int = 0,
+                   dtype: torch.dtype = torch.float64) -> dict[tuple[int, ...], int]:
+    """Counts of the first NEW tokens of n generations, all walking in lockstep; ``dtype``: of the
+    target's logits (float32: the probability path of a float32 or bf16 model)."""
+    table = target_probs(table_target(VOCAB).table.to(dtype), cfg)  # [V, V, V]: the law after every 2-token prefix
     gen = torch.Generator().manual_seed(seed)
     seq = torch.zeros(n, 2 + NEW + 3, dtype=torch.long)
     seq[:, :2] = torch.tensor(PROMPT[-2:])
@@ -179,6 +203,8 @@ def batched_counts(cfg: SamplingConfig, drafter, n: int = BATCH_SAMPLES, seed: i
     while active.numel():
         prev, root = seq[active, length[active] - 2], seq[active, length[active] - 1]
         batch = drafter.propose(root, gen)
+        if batch.draft_probs is not None and batch.draft_probs.dtype != table.dtype:
+            batch = TreeBatch(batch.shape, batch.tokens, batch.draft_probs.to(table.dtype))
         shape, tokens = batch.shape, batch.tokens
         parents = shape.parents
         before = torch.empty_like(tokens)  # the token before each node (its context is (before, node))
@@ -232,6 +258,41 @@ def test_batched_law_equals_target_law(setting, draft):
     law = exact_law(cfg)
     ok, msg = chi_square_ok(law, batched_counts(cfg, BATCHED[draft]()), n=BATCH_SAMPLES)
     assert ok, msg
+
+
+@pytest.mark.parametrize("draft", ["mixed", "wor", "point"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_batched_law_in_float32(setting, draft):
+    """The float32 probability path (a float32 or bf16 model's logits; draft laws in float32):
+    the same harness, N = 2e5."""
+    cfg = SETTINGS[setting]
+    counts = batched_counts(cfg, BATCHED[draft](), dtype=torch.float32)
+    ok, msg = chi_square_ok(exact_law(cfg), counts, n=BATCH_SAMPLES)
+    assert ok, msg
+
+
+@pytest.mark.parametrize("lossy", [False, True])
+def test_a_column_mixing_child_laws_keeps_the_law(monkeypatch, lossy):
+    """Walkers at different nodes test children of different laws in one column (WOR children of
+    the root, IID children of its first child): the verifier's row-by-row branch. It is reached,
+    and the law is the target's; with that column's children tested as if drawn from the residual
+    itself (``lossy``: always accepted) the harness fails."""
+    reached = []
+
+    def spy(batch, rows, parent, child, earlier, like):
+        laws = batch.laws[child]
+        wor = laws == Law.WOR
+        if bool(wor.any()) and not bool(wor.all()) and bool((laws != Law.POINT).all()):
+            reached.append(True)
+            if lossy:
+                return like
+        return _exact_child_laws(batch, rows, parent, child, earlier, like)
+
+    monkeypatch.setattr(verify_mod, "_child_laws", spy)
+    cfg = SETTINGS["T1"]
+    ok, msg = chi_square_ok(exact_law(cfg), batched_counts(cfg, TwoLawScript()), n=BATCH_SAMPLES)
+    assert reached
+    assert ok != lossy, msg
 
 
 def test_mixed_children_at_one_million_samples():
@@ -363,155 +424,134 @@ def test_prompt_lookup_with_grown_chains_keeps_the_law(lossy, monkeypatch):
     assert max(depths) > 1  # chains did grow (and had room: five new tokens)
     assert ok != lossy, msg
 
-@pytest.mark.parametrize("lossy", [False, True])
-def test_union_with_the_adaptive_policy_keeps_the_law(lossy, monkeypatch):
-    """Two point-mass drafters merged by a union, with the adaptive policy on (steps that skip
-    drafting, capped depths): the decode-loop harness at T = 0.7, top-k 3. With a stale bonus
-    token (``lossy``) the same harness must fail."""
-    from selfspec.adaptive import AdaptiveConfig, AdaptivePolicy
-    from selfspec.drafters.union import UnionDrafter
+class VirtualClock:
+    """Virtual seconds advanced only by the stubs (no sleeps, no load sensitivity), each cost
+    scaled by seeded log-normal noise (sigma 0.25) as real step times jitter."""
 
-    if lossy:
-        monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
-    from test_union import _Clock, timed_target
+    def __init__(self, seed: int = 0):
+        self.now, self.gen = 0.0, torch.Generator().manual_seed(seed)
 
-    clock = _Clock(seed=0)  # virtual seconds with jitter: a pass costs 1 + 0.15 per drafted node
-    cfg, gen, target, counts = SETTINGS["T0.7-topk3"], torch.Generator().manual_seed(0), timed_target(clock, VOCAB), {}
-    union = UnionDrafter([ScriptedDrafter(VOCAB, point=2, sampled=0, seed=1),
-                          ScriptedDrafter(VOCAB, point=1, sampled=0, seed=2)], clock=clock)
-    policy = AdaptivePolicy(AdaptiveConfig())
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds * float(torch.exp(0.25 * torch.randn((), generator=self.gen)))
+
+
+class TimedTarget(TableTarget):
+    """A table target whose pass costs ``1 + 0.15`` virtual seconds per draft node."""
+
+    def __init__(self, clock: VirtualClock):
+        super().__init__(VOCAB, 0)
+        self.clock = clock
+
+    def forward_tree(self, tree, handoff=None):
+        self.clock.spend(1.0 + 0.15 * (tree.num_nodes - 1))
+        return super().forward_tree(tree)
+
+
+def _controller_counts(cfg, members, n, *, force=True, spy=None):
+    """Counts of the first NEW tokens through ``decode`` under one learning controller over
+    ``members`` (Thompson draws from its own generator, virtual timings); with ``force`` every
+    other step's arm is rotated over all arms (chosen from the step count only: the past), since
+    with poor stub members the controller would run plain steps nearly always."""
+    from selfspec.control import ControlConfig, Controller, CostModel
+
+    clock = VirtualClock()
+    target, gen, counts = TimedTarget(clock), torch.Generator().manual_seed(0), {}
+    ctl = Controller(members, ControlConfig(seed=3), cost=CostModel({1: 1.0, 64: 1.0 + 0.15 * 63}))
+    if force:
+        choose, steps = ctl.choose, [0]
+
+        def rotated(ctx):
+            a, state, budget, cap = choose(ctx)
+            steps[0] += 1
+            return (a if steps[0] % 2 else (steps[0] // 2) % len(ctl.arms)), state, budget, cap
+
+        ctl.choose = rotated
+    if spy is not None:
+        propose = ctl.propose
+        ctl.propose = lambda ctx, clock: spy(ctl, propose(ctx, clock))
     ids = torch.tensor(PROMPT)
-    n = control_samples(SAMPLES) if lossy else SAMPLES
     for _ in range(n):
-        out = decode(target, ids, union, cfg, gen, NEW, set(), 100, policy=policy)
+        out = decode(target, ids, ctl, cfg, gen, NEW, set(), 100, clock=clock)
         key = tuple(out.sequences[0, len(PROMPT):].tolist())
         counts[key] = counts.get(key, 0) + 1
-    assert min(union.arm_steps) > 0, union.arm_steps  # plain, each member alone and the merge all ran
-    ok, msg = chi_square_ok(exact_law(cfg), counts, n=n)
-    assert ok != lossy, msg
+    return counts, ctl
 
 
-@pytest.mark.parametrize("lossy", [False, True])
-def test_union_with_a_member_that_abstains_in_some_generations_keeps_the_law(lossy, monkeypatch):
-    """A member whose context key is its ``abstain_key`` in every other generation (an EAGLE-3
-    head that read the prompt as unfamiliar, ``min_familiar``; decided from the past, never from
-    this generation's draws) is left out of every arm there and merged in the others: the
-    decode-loop harness at T = 0.7, top-k 3 still draws the target's law. With a stale bonus
-    token (``lossy``) the same harness must fail."""
-    from selfspec.drafters.union import UnionDrafter
-
-    if lossy:
-        monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
-    from test_union import _Clock, timed_target
-
-    class Abstaining(ScriptedDrafter):
-        abstain_key = -1
-
-        def reset(self):
-            self.generations = getattr(self, "generations", -1) + 1
-
-        def context_key(self, ctx):
-            return self.abstain_key if self.generations % 2 else 0
-
-        def propose(self, ctx):
-            asked[self.generations % 2] += 1
-            return super().propose(ctx)
-
-    asked = [0, 0]  # steps that asked the member for a tree: in generations it joins, it abstains
-    clock = _Clock(seed=0)
-    cfg, gen, target, counts = SETTINGS["T0.7-topk3"], torch.Generator().manual_seed(0), timed_target(clock, VOCAB), {}
-    union = UnionDrafter([Abstaining(VOCAB, point=2, sampled=0, seed=1),
-                          ScriptedDrafter(VOCAB, point=1, sampled=0, seed=2)], clock=clock)
-    ids = torch.tensor(PROMPT)
-    n = control_samples(SAMPLES) if lossy else SAMPLES
-    for _ in range(n):
-        out = decode(target, ids, union, cfg, gen, NEW, set(), 100)
-        key = tuple(out.sequences[0, len(PROMPT):].tolist())
-        counts[key] = counts.get(key, 0) + 1
-    assert asked[0] > 0 and asked[1] == 0, asked
-    ok, msg = chi_square_ok(exact_law(cfg), counts, n=n)
-    assert ok != lossy, msg
-
-
-def _grafts_recorded_as_sampled(union, graft):
-    """A lossy graft rule: the same trees, but a grafted point mass under a parent with sampled
-    children is recorded as drawn from that parent's draft law q (``Law.IID``), so the verifier
-    tests it against q(x) instead of 1."""
-
-    def wrong(*args, **kwargs):
-        tree = graft(*args, **kwargs)
-        laws = tree.laws.clone()
-        for node, src in enumerate(union._sources[1:], start=1):
-            parent = int(tree.parents[node])
-            if tree.draft_row is not None and int(tree.draft_row[parent]) >= 0 and all(s[0] != 0 for s in src):
-                laws[node] = Law.IID
-        return DraftTree(tree.tokens, tree.parents, laws, tree.draft_probs, tree.draft_row)
-
-    return wrong
-
-
-@pytest.mark.parametrize("lossy", [False, "stale bonus", "graft law"])
-def test_union_grafts_point_masses_on_its_sampling_member_and_keeps_the_law(lossy, monkeypatch):
-    """A union of a sampling member (one without-replacement child per level, like an EAGLE-3
-    chain: the anchor) and a point-mass one (two children per level), adaptive policy on, T = 1:
-    alone, the anchor's sampled tree passes through as drafted (round 25); merged, the other
-    member's point-mass nodes are grafted after the anchor's children, also under sampled nodes,
-    and only where the anchor did not draw the same token (round 26). The union's own choice runs
-    plain steps almost always with such poor members, so a third of the steps each are forced to
-    the merge and to the anchor alone. The law of the first three tokens is the target's. With a
-    stale bonus token, or with grafts recorded as drawn from their parent's draft law
-    (``lossy``), the same harness must fail (measured: chi-square 19,028 and 1,447 against a
-    limit of 117)."""
-    from selfspec.adaptive import AdaptiveConfig, AdaptivePolicy
-    from selfspec.drafters.union import UnionDrafter
+@pytest.mark.parametrize("lossy", [False, "stale bonus", "graft law", "cut by token"])
+def test_controller_arms_merges_and_cuts_keep_the_law(lossy, monkeypatch):
+    """A controller over a sampling member (one without-replacement child per level, like an
+    EAGLE-3 chain: the merge's anchor) and a point-mass one (two children per level), T = 1: plain
+    steps, each member alone, the merge (point masses grafted after the anchor's sampled children,
+    also under sampled nodes) and the sizing rule's cuts all run, and the law of the first three
+    tokens is the target's. Lossy variants of the same harness must fail: a stale bonus token;
+    grafted point masses recorded as drawn from their parent's draft law; a cut that drops sampled
+    nodes by the token drawn (the bias the sizing rule avoids by cutting point masses only)."""
+    from selfspec.control import controller as control_mod
 
     if lossy == "stale bonus":
         monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
-    from test_union import _Clock, timed_target
-
-    clock = _Clock(seed=0)
-    cfg, gen, target, counts = SETTINGS["T1"], torch.Generator().manual_seed(0), timed_target(clock, VOCAB), {}
-    union = UnionDrafter([ScriptedDrafter(VOCAB, point=0, sampled=1, law=Law.WOR, seed=1),
-                          ScriptedDrafter(VOCAB, point=2, sampled=0, seed=2)], clock=clock, min_value=0.0)
-    assert union.anchor == 0
     if lossy == "graft law":
-        union._graft = _grafts_recorded_as_sampled(union, union._graft)
-    choose = union._choose_arm
+        real_merge = control_mod.merge
 
-    def forced(ctx):  # poor scripted members: left alone, the union runs plain steps ~97% of the
-        arm = choose(ctx)  # time; a third of the steps each are forced to the merge and to the
-        return [arm, len(union.arms) - 1, 1][union.steps % 3]  # anchor alone (past-dependent only: exact)
+        def wrong_merge(parts):
+            tree, sources = real_merge(parts)
+            laws = tree.laws.clone()
+            for node in range(1, tree.num_nodes):
+                parent = int(tree.parents[node])
+                if tree.draft_row is not None and int(tree.draft_row[parent]) >= 0 and laws[node] == Law.POINT:
+                    laws[node] = Law.IID
+            return DraftTree(tree.tokens, tree.parents, laws, tree.draft_probs, tree.draft_row), sources
 
-    union._choose_arm = forced
-    kinds = {"sampled alone": 0, "sampled merged": 0, "grafted": 0, "grafted under a sampled node": 0}
-    propose = union.propose
+        monkeypatch.setattr(control_mod, "merge", wrong_merge)
+    if lossy == "cut by token":
+        real_size = control_mod.size_tree
 
-    def spy(ctx):
-        tree = propose(ctx)
-        sampled, merged = bool((tree.laws[1:] != Law.POINT).any()), len(union._asked) > 1
-        grafts = [i for i, src in enumerate(union._sources[: tree.num_nodes]) if merged and i and all(s[0] == 1 for s in src)]
-        if sampled and grafts:  # grafts follow every sibling the anchor drafted, and repeat none
-            kids = tree.children
-            for g in grafts:
-                siblings = kids[int(tree.parents[g])]
-                assert max((s for s in siblings if union._sources[s][0][0] == 0), default=0) < g
-                assert sum(int(tree.tokens[s]) == int(tree.tokens[g]) for s in siblings) == 1
-        kinds["sampled alone"] += sampled and not merged
-        kinds["sampled merged"] += sampled and merged
-        kinds["grafted"] += sampled and bool(grafts)
-        kinds["grafted under a sampled node"] += any(int(tree.laws[int(tree.parents[g])]) != Law.POINT for g in grafts)
-        return tree
+        def token_cut(tree, values, verify, fixed, max_nodes, cut_sampled=True):
+            keep, rate = real_size(tree, values, verify, fixed, max_nodes, cut_sampled)
+            drop = {i for i in range(1, tree.num_nodes) if tree.laws[i] != Law.POINT and int(tree.tokens[i]) % 2}
+            for i in sorted(drop):  # a dropped node takes its subtree
+                drop |= set(tree.children[i])
+            return [i for i in keep if i not in drop], rate
 
-    union.propose = spy
-    policy = AdaptivePolicy(AdaptiveConfig())
-    ids, n = torch.tensor(PROMPT), control_samples(SAMPLES) if lossy else SAMPLES
-    for _ in range(n):
-        out = decode(target, ids, union, cfg, gen, NEW, set(), 100, policy=policy)
-        key = tuple(out.sequences[0, len(PROMPT):].tolist())
-        counts[key] = counts.get(key, 0) + 1
-    assert min(kinds.values()) > 0, kinds
+        monkeypatch.setattr(control_mod, "size_tree", token_cut)
+    kinds = {"sampled alone": 0, "merged with grafts": 0, "graft under a sampled node": 0, "plain": 0, "cut": 0}
+
+    def spy(ctl, proposal):
+        tree = proposal.tree
+        sampled = [i for i in range(1, tree.num_nodes) if tree.laws[i] != Law.POINT]
+        grafts = [i for i in range(1, tree.num_nodes) if tree.laws[i] == Law.POINT and sampled]
+        kinds["plain"] += tree.num_nodes == 1
+        kinds["sampled alone"] += bool(sampled) and not grafts
+        kinds["merged with grafts"] += bool(grafts)
+        kinds["graft under a sampled node"] += any(int(tree.laws[int(tree.parents[g])]) != Law.POINT for g in grafts)
+        kinds["cut"] += ctl._pending["tree"].num_nodes < ctl._pending["drafted"]
+        for g in grafts:  # grafts follow every sibling the anchor drew, and repeat none of their tokens
+            siblings = tree.children[int(tree.parents[g])]
+            assert max((s for s in siblings if tree.laws[s] != Law.POINT), default=0) < g
+            assert sum(int(tree.tokens[s]) == int(tree.tokens[g]) for s in siblings) == 1
+        return proposal
+
+    cfg = SETTINGS["T1"]
+    n = control_samples(SAMPLES) if lossy else SAMPLES
+    members = [ScriptedDrafter(VOCAB, point=0, sampled=1, law=Law.WOR, seed=1), ScriptedDrafter(VOCAB, point=2, sampled=0, seed=2)]
+    counts, ctl = _controller_counts(cfg, members, n, spy=spy)
+    assert min(ctl.arm_steps) > 0, ctl.arm_steps
+    assert lossy or min(kinds.values()) > 0, kinds
     ok, msg = chi_square_ok(exact_law(cfg), counts, n=n)
     assert ok != bool(lossy), msg
+
+
+def test_controller_alone_keeps_the_law_with_top_k():
+    """One point-mass drafter under the controller's own choices (its two-arm case: plain or
+    drafting, cut by the sizing rule), T = 0.7 with top-k 3."""
+    cfg = SETTINGS["T0.7-topk3"]
+    counts, ctl = _controller_counts(cfg, [ScriptedDrafter(VOCAB, point=3, sampled=0, seed=2)], SAMPLES, force=False)
+    assert min(ctl.arm_steps) > 0, ctl.arm_steps
+    ok, msg = chi_square_ok(exact_law(cfg), counts)
+    assert ok, msg
 
 
 def test_decode_loop_negative_control_fails(monkeypatch):

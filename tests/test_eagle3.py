@@ -661,7 +661,7 @@ def test_load_drafter_prefers_the_tree_calibrated_on_this_class_of_machine(tmp_p
     import json
 
     from selfspec.checkpoint import CONFIG_FILE
-    from selfspec.measurement.machine import machine_key
+    from selfspec.machine import machine_key
 
     model = tiny_model("llama", layers=5)
     save_drafter(build_drafter(model, "eagle3", draft_vocab_size=32, max_depth=2, width=1, branch=1, max_nodes=2),
@@ -689,7 +689,7 @@ def _stored_with_every_tree(model, drafter, folder, own: dict, config: dict | No
 
     from selfspec.checkpoint import CONFIG_FILE
     from selfspec.drafters import union_member
-    from selfspec.measurement.machine import machine_key
+    from selfspec.machine import machine_key
 
     save_drafter(drafter, folder)
     meta = json.loads((folder / CONFIG_FILE).read_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from test_training import saved_target_and_data
-from training.config import load_any
+from training.jobs import load_any
 from training.dry_run import KNOWN_TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,8 @@ import torch
 from datasets import Dataset
 
 import selfspec
-from training.config import load_any, load_config
+from training.config import load_config
+from training.jobs import load_any
 from training.features import IGNORE, head_labels
 from training.recipes import HeadsTrainConfig, recipe_for
 from tiny_models import tiny_model

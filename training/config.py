@@ -68,19 +68,3 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
 
 def dump_config(cfg) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def load_any(path: str | Path | None, overrides: list[str] | None = None, default_recipe: str | None = None):
-    """Load a config file into the dataclass its ``recipe`` key (and, for ``train_heads``, its
-    ``kind``: one recipe per drafter kind, see :mod:`training.recipes`) names."""
-    from .distill import DistillJob
-    from .recipes import config_class
-
-    data = (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}) if path is not None else {}
-    data = apply_overrides(data, overrides or [])
-    recipe = data.get("recipe", default_recipe)
-    if recipe == "train_heads":
-        return from_dict(config_class(data.get("kind", "medusa")), data)
-    if recipe != "distill":
-        raise ValueError(f"{path}: 'recipe' must be 'distill' or 'train_heads', got {recipe!r}")
-    return from_dict(DistillJob, data)

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from selfspec.chat import encode_chat
 from selfspec.loading import DEFAULT_TARGET
 from selfspec.fingerprint import target_fingerprint
-from selfspec.measurement.workloads import load_bfcl, tool_system_message
+from selfspec.measurement.workloads import benchmark_prompts, load_bfcl, tool_system_message
 
 from selfspec.checkpoint import atomic_write_text
 
@@ -95,25 +95,6 @@ class DistillJob:
 
 
 KNOWN_SOURCES = ("gsm8k", "bfcl_simple", "bfcl_multiple", "humaneval", "mt_bench", "chat", "tools")
-
-
-def benchmark_prompts(data_dir: str | Path, holdout: int = 100) -> set[str]:
-    """User texts of every prompt set the benchmarks measure on (MT-Bench turns, the held-out BFCL
-    records, the adversarial prompts): self-distillation never trains on them."""
-    from selfspec.measurement.workloads import load_spec_bench
-
-    data = Path(data_dir)
-    texts: set[str] = set()
-    mt = data / "mt_bench_question.jsonl"
-    if mt.exists():
-        texts |= {t.strip() for q in load_spec_bench(mt) for t in q.turns}
-    for name in ("BFCL_v4_simple_python.json", "BFCL_v4_multiple.json"):
-        if (data / "bfcl" / name).exists():
-            texts |= {t.strip() for q in load_bfcl(data / "bfcl" / name)[:holdout] for t in q.turns}
-    adversarial = Path(__file__).resolve().parents[1] / "docs" / "prompts" / "adversarial.jsonl"
-    if adversarial.exists():
-        texts |= {t.strip() for q in load_spec_bench(adversarial) for t in q.turns}
-    return texts
 
 
 def collect_prompts(cfg: DistillConfig) -> list[dict]:

@@ -24,6 +24,7 @@ speculative (or plain) step, so any sequence of them keeps the target's law.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from dataclasses import dataclass, replace
@@ -105,13 +106,30 @@ class Controller:
         self.seen = [0] * len(self.members)
         if self.cost is None:
             if model is None:
-                raise ValueError("a controller without a cost model needs the target model to measure one")
+                raise ValueError("a controller without a cost model needs the target model to measure one "
+                                 "(give cost=CostModel(...) for targets that are not transformers models)")
             curve, source = verify_curve(model)
             self.cost = CostModel(curve, source=source)
 
     def end(self, tokens, prompt_len: int) -> None:
         for m in self.members:
             m.end(tokens, prompt_len)
+
+    def state(self) -> dict:
+        """A copy of what the controller learnt (acceptance counts, costs, latest trees, its
+        generator), for :meth:`load_state` (e.g. to run a prompt twice from the same state)."""
+        return copy.deepcopy(dict(counts=self.acceptance.counts, pooled=self.acceptance.pooled, shapes=self.shapes,
+                                  cost=None if self.cost is None else vars(self.cost), rng=self.rng.getstate(),
+                                  usual=self.usual))
+
+    def load_state(self, state: dict) -> None:
+        state = copy.deepcopy(state)
+        self.acceptance.counts, self.acceptance.pooled, self.shapes = state["counts"], state["pooled"], state["shapes"]
+        if state["cost"] is not None:
+            self.cost = CostModel.__new__(CostModel)
+            vars(self.cost).update(state["cost"])
+        self.rng.setstate(state["rng"])
+        self.usual = state["usual"]
 
     # ------------------------------------------------------------------ one step
     def choose(self, ctx: DraftContext) -> tuple[int, tuple[int, ...], int | None, int | None]:
@@ -157,7 +175,7 @@ class Controller:
         for i in kept[1:]:
             gain[depths[i]] += values[i]
             count[depths[i]] += 1
-        best, nodes, tokens, n = (1.0 / (catch_up + self.cost.verify(1)), 0, 0), 0, 1.0, 0
+        best, tokens, n = (1.0 / (catch_up + self.cost.verify(1)), 0, 0), 1.0, 0
         for d in range(1, tree.depth + 1):
             tokens, n = tokens + gain[d], n + count[d]
             r = tokens / (catch_up + per_level * d + self.cost.verify(n + 1))
@@ -187,8 +205,10 @@ class Controller:
             self.shapes[((m,), (state[m],))] = parts[-1]
         if not parts:
             tree, sources = DraftTree.root_only(ctx.root_token), [[]]
-        else:
+        drafted = 1
+        if parts:
             tree, sources = merge(parts) if len(parts) > 1 else parts[0]
+            drafted = tree.num_nodes
             if len(parts) > 1:
                 self.shapes[(arm, state)] = (tree, sources)
             if handoff is None and not self.config.fixed:
@@ -196,7 +216,7 @@ class Controller:
                 keep, _ = size_tree(tree, values, self.cost.verify, spent, self.config.max_nodes, cut_sampled=False)
                 tree, sources = subtree(tree, keep), [sources[i] for i in keep]
         self.arm_steps[a] += 1
-        self._pending = dict(arm=a, state=state, tree=tree, sources=sources, draft_s=spent)
+        self._pending = dict(arm=a, state=state, tree=tree, sources=sources, draft_s=spent, drafted=drafted)
         return Proposal(tree, handoff)
 
     def observe(self, tree: DraftTree, verdict: Verdict, tokens: list[int], verify_s: float) -> None:
@@ -216,7 +236,8 @@ class Controller:
             for m, cells in outcomes.items():
                 self.acceptance.record(m, cells)
             if self.trace is not None:
-                self.trace.append(dict(arm=self.arms[pending["arm"]], state=pending["state"], nodes=tree.num_nodes,
+                self.trace.append(dict(arm=self.arms[pending["arm"]], state=pending["state"], drafted=pending["drafted"],
+                                       nodes=tree.num_nodes,
                                        accepted=verdict.num_accepted, draft_s=pending["draft_s"], verify_s=verify_s))
         for m, member in enumerate(self.members):
             member.observe(Step(tokens, tree, verdict, m in proposed))

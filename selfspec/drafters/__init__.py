@@ -145,7 +145,7 @@ def _parse_options(text: str) -> dict:
     return options
 
 
-from . import eagle3, layerskip, lora_skip, medusa, ngram, suffix, tool_schema  # noqa: E402  (each registers itself)
+from . import eagle3, layerskip, lora_skip, medusa, ngram, suffix, tool_schema  # noqa: E402, F401  (each registers itself)
 
 __all__ = [
     "DraftContext", "Drafter", "Proposal", "Requirements", "Step", "TargetSignature", "Eagle3Config", "Eagle3Drafter",

@@ -21,11 +21,10 @@ Metric conventions (per group of prompts, summed over the group's runs):
 * peak memory: the largest growth of the process's resident memory (CPU) or of allocated CUDA
   memory (GPU) during the run, over its value at the start, in MiB;
 * identical: the output equals the baseline's token for token;
-* 95% CI of a speedup: a paired bootstrap over the group's runs (each resample draws (question,
-  turn) units with replacement, keeping every method's run of a unit together, and recomputes the
-  ratio of rates), seeded, so tables regenerate identically. On a shared, noisy CPU a run's speed
-  varies by 10-20% from one prompt to the next; the interval says which differences that noise can
-  explain;
+* 95% CI of a speedup: a paired bootstrap over whole conversations (each resample draws
+  questions with replacement, keeping every turn and every method's runs of a question together,
+  since turns of one conversation and a controller learning along it are correlated, and
+  recomputes the ratio of rates), seeded, so tables regenerate identically;
 * unions against their members: a union ``a+b`` (same dtype suffix) is compared with each of its
   members measured in the same file, on the same runs, as a paired ratio with its 95% CI
   (:func:`union_vs_members`): a union must never lose to its best member. The comparison says on
@@ -50,6 +49,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..chat import encode_chat
+from ..control import ControlConfig, Controller
 from ..drafters.base import Drafter
 from ..engine import generate
 from .measure import divergence, warm_up_drafting
@@ -100,13 +100,21 @@ class RunResult:
 
 
 class SelfspecMethod:
-    """``selfspec.generate`` with a drafter (``None``: the baseline); with ``prefix_cache`` a
+    """``selfspec.generate`` with a drafter or several (``None``: the baseline) under one
+    :class:`~selfspec.control.Controller` kept across the benchmark's calls, as a server keeps
+    one (``fixed``: every step drafts the whole trees); with ``prefix_cache`` a
     :class:`~selfspec.prefix_cache.PrefixCache` per session (conversation), new at each
     :meth:`new_session`, so later turns reuse the earlier turns' keys/values."""
 
-    def __init__(self, drafter: Drafter | None, adaptive: bool = True, prefix_cache: bool = False):
-        self.drafter, self.adaptive, self.prefix_cache = drafter, adaptive, prefix_cache
+    def __init__(self, drafter, fixed: bool = False, prefix_cache: bool = False):
+        self.drafter, self.prefix_cache = drafter, prefix_cache
+        self.controller = None if drafter is None else Controller(drafter, ControlConfig(fixed=fixed))
         self.cache = None
+
+    @property
+    def learns_text(self) -> bool:
+        """Whether a drafter keeps earlier outputs (a repeat of a prompt is then easier)."""
+        return self.controller is not None and self.controller.requires.learns
 
     def new_session(self) -> None:
         if self.prefix_cache:
@@ -115,19 +123,15 @@ class SelfspecMethod:
             self.cache = PrefixCache()
 
     def warm_up(self, model, ids, *, temperature: float, seed: int) -> None:
-        """Untimed: a short generation that drafts at every step (no adaptive fallback), so the
-        first-call costs of drafting and of verifying trees (kernel selection, weight packing) land
-        here and not in the first measured prompt. The adaptive state is left untouched, and so is
-        a union's (it learns across calls): its members are warmed up one by one instead.
-        Drafters that learn from past outputs (``suffix``) see the warm-up's 8 tokens, as they saw
-        the adaptive warm-up's."""
+        """Untimed: each drafter alone drafts every step of a short generation, so first-call costs
+        (kernel selection, weight packing) land here, not in the controller's measurements."""
         warm_up_drafting(model, ids, self.drafter, temperature=temperature, seed=seed)
 
     def __call__(self, model, ids, *, max_new_tokens: int, temperature: float, seed: int, tools=None,
                  constraint=None) -> RunResult:
         start = time.perf_counter()
-        out = generate(model, ids, drafter=self.drafter, max_new_tokens=max_new_tokens, temperature=temperature,
-                       seed=seed, adaptive=self.adaptive, prefix_cache=self.cache, tools=tools, constraint=constraint)
+        out = generate(model, ids, drafter=self.controller, max_new_tokens=max_new_tokens, temperature=temperature,
+                       seed=seed, prefix_cache=self.cache, tools=tools, constraint=constraint)
         wall = time.perf_counter() - start
         s = out.stats
         setup = wall - s.wall_time_s  # argument checks, target wrapper: counted like HF's setup
@@ -249,17 +253,17 @@ class PeakMemory:
 Method = Callable[..., RunResult]
 
 
-def method_from_spec(model, spec: str, target: str | None = None, adaptive: bool = True, tokenizer=None) -> Method:
+def method_from_spec(model, spec: str, target: str | None = None, fixed: bool = False, tokenizer=None) -> Method:
     """``hf-greedy`` (plain ``generate``; sampling at T > 0), ``hf-prompt-lookup[:N]``,
     ``hf-early-exit:E``, or any selfspec drafter spec (:func:`selfspec.drafters.drafter_from_spec`;
-    ``none`` = plain decoding); a selfspec spec ending in ``#fixed`` drafts every step (no adaptive
-    fallback), one ending in ``~cache`` keeps a prefix KV cache per session."""
+    ``none`` = plain decoding); a selfspec spec ending in ``#fixed`` drafts the whole trees every
+    step (no controller decisions), one ending in ``~cache`` keeps a prefix KV cache per session."""
     from ..drafters import drafter_from_spec
 
     cache = spec.endswith("~cache")
     spec = spec.removesuffix("~cache")
     if spec.endswith("#fixed"):
-        spec, adaptive = spec.removesuffix("#fixed"), False
+        spec, fixed = spec.removesuffix("#fixed"), True
     if cache and spec.startswith("hf-"):
         raise ValueError(f"~cache is for selfspec methods, not {spec}")
     name, _, arg = spec.partition(":")
@@ -271,7 +275,7 @@ def method_from_spec(model, spec: str, target: str | None = None, adaptive: bool
         if not arg:
             raise ValueError("hf-early-exit needs an exit layer: hf-early-exit:8")
         return HFMethod({"assistant_early_exit": int(arg)})
-    return SelfspecMethod(drafter_from_spec(model, spec, target, tokenizer), adaptive, prefix_cache=cache)
+    return SelfspecMethod(drafter_from_spec(model, spec, target, tokenizer), fixed, prefix_cache=cache)
 
 
 def run(
@@ -295,9 +299,11 @@ def run(
     ``repeats``: every turn runs all methods this many times, the order rotated by one between
     rounds; each method's record is its run with the median seconds per token after the first
     (``repeat_s_per_token`` keeps every run's), so a burst of load on this shared machine during
-    one run moves no result. Refused for methods whose second run of a prompt is not the same work
-    (a drafter that learns from earlier outputs, a prefix cache per session). A greedy run counts
-    as identical to the baseline only if every repeat was.
+    one run moves no result. Every repeat starts from the controller's state before the turn
+    (:meth:`~selfspec.control.Controller.state`), so no repeat learns from another. Refused for
+    methods whose second run of a prompt is not the same work (a drafter that keeps earlier
+    outputs, a prefix cache per session). A greedy run counts as identical to the baseline only if
+    every repeat was.
 
     ``done``: records of an interrupted run; turns whose every method is recorded there are not
     run again (their stored baseline reply continues the conversation). ``on_turn`` receives each
@@ -312,8 +318,7 @@ def run(
     if repeats > 1:
         for name, runner in runners.items():
             inner = getattr(runner, "method", runner)
-            drafter = getattr(inner, "drafter", None)
-            if getattr(inner, "prefix_cache", False) or (drafter is not None and drafter.learns_from_outputs):
+            if getattr(inner, "prefix_cache", False) or getattr(inner, "learns_text", False):
                 raise ValueError(f"--repeats {repeats}: method {name!r} remembers earlier runs (a prefix cache or "
                                  "a drafter that learns from outputs), so a repeat of a prompt is not the same work")
     baseline = SelfspecMethod(None)
@@ -347,7 +352,10 @@ def run(
                 names = ["baseline", *runners]
                 runs: dict[str, list[RunResult]] = {name: [] for name in names}
                 peaks = dict.fromkeys(names, 0.0)
+                before = {name: _controller(r).state() for name, r in runners.items() if _controller(r) is not None}
                 for _ in range(repeats):
+                    for name, state in before.items():  # every repeat starts where the turn started
+                        _controller(runners[name]).load_state(state)
                     shift = rotation % len(names)
                     rotation += 1
                     for name in names[shift:] + names[:shift]:
@@ -382,10 +390,13 @@ def run(
     return records
 
 
+def _controller(runner) -> Controller | None:
+    return getattr(getattr(runner, "method", runner), "controller", None)
+
+
 def warm_up_runner(model, runner, *, temperature: float, seed: int) -> None:
     """Untimed, before a benchmark's first measured run: the runner's drafting warm-up where it has
-    one (an adaptive run's first step is plain; a union's members one by one), then a 2-token run
-    on the prompt ``[0, 1]``, so first-call costs hit no measured run."""
+    one, then a 2-token run on the prompt ``[0, 1]``, so first-call costs hit no measured run."""
     warm = torch.tensor([[0, 1]])
     if hasattr(runner, "warm_up"):
         runner.warm_up(model, warm, temperature=temperature, seed=seed)
@@ -477,6 +488,14 @@ def summarise(records: list[Record], by_turn: bool = False) -> dict[str, dict[st
     return out
 
 
+def _conversations(records: list[Record]) -> dict[str, list[dict[str, Record]]]:
+    """``{question: [{method: record} per turn]}``: the bootstrap's units."""
+    out: dict[str, list[dict[str, Record]]] = {}
+    for (question, _), unit in _units(records).items():
+        out.setdefault(question, []).append(unit)
+    return out
+
+
 def _units(records: list[Record]) -> dict[tuple, dict[str, Record]]:
     """``{(question, turn): {method: record}}``."""
     units: dict[tuple, dict[str, Record]] = {}
@@ -505,27 +524,27 @@ def bootstrap_ci(count: int, statistic, resamples: int = 1000, seed: int = 0) ->
 
 
 def ratio_ci(records: list[Record], a: str, b: str, resamples: int = 1000, seed: int = 0) -> list[float] | None:
-    """95% paired-bootstrap interval of ``rate(a) / rate(b)`` over the (question, turn) units where
-    both ran (``None`` with fewer than 3 such units). Deterministic (seeded)."""
-    units = [u for u in _units(records).values() if a in u and b in u]
+    """95% paired-bootstrap interval of ``rate(a) / rate(b)`` over whole conversations (every turn
+    of a question where both ran resampled together; ``None`` with fewer than 3 conversations).
+    Deterministic (seeded)."""
+    convs = [turns for turns in ([u for u in c if a in u and b in u] for c in _conversations(records).values()) if turns]
 
     def ratio(picked: list[int]) -> float | None:
-        ra, rb = _rate([units[i][a] for i in picked]), _rate([units[i][b] for i in picked])
+        units = [u for i in picked for u in convs[i]]
+        ra, rb = _rate([u[a] for u in units]), _rate([u[b] for u in units])
         return ra / rb if ra > 0 and rb > 0 else None
 
-    return bootstrap_ci(len(units), ratio, resamples, seed)
+    return bootstrap_ci(len(convs), ratio, resamples, seed)
 
 
 def union_vs_members(records: list[Record]) -> list[dict]:
-    """Each measured union ``[union@options:]a+b[%dtype]`` against each member ``a[%dtype]`` measured in the same
+    """Each measured union ``a+b[%dtype]`` against each member ``a[%dtype]`` measured in the same
     records: ``{union, member, ratio, ci, same_text}`` (ratio = the union's rate / the member's on
     the runs both made; ``ci`` see :func:`ratio_ci`; ``same_text`` see :func:`same_text`)."""
     methods = list(dict.fromkeys(r.method for r in records))
     out = []
     for m in methods:
         spec, pct, dtype = m.partition("%")
-        if spec.startswith("union@"):  # a union with options: union@key=value,...:a+b
-            spec = spec.partition(":")[2]
         if "+" not in spec or m.startswith("hf-"):
             continue
         for member in spec.split("+"):
@@ -693,7 +712,7 @@ def provenance() -> dict:
     import torch
     import transformers
 
-    from .machine import cpu_label
+    from ..machine import cpu_label
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()

@@ -111,19 +111,17 @@ def compare(model, input_ids: torch.Tensor, drafter, *, repeats: int = 1, warmup
 
 
 def warm_up_drafting(model, input_ids: torch.Tensor, drafter, *, temperature: float = 0.0, seed: int = 0) -> None:
-    """Untimed: a short generation that drafts at every step (no adaptive fallback), so the
-    first-call costs of drafting and of verifying trees (kernel selection, weight packing, an int8
-    copy) are paid here, not inside a timed run, and not recorded as a slow arm by a union, whose
-    arm estimates carry over to the next call and made it prefer plain steps for the rest of a short
-    generation. A union's members are warmed up one by one, so its own statistics stay untouched;
-    drafters that pace themselves are skipped. Drafters that learn from past outputs (``suffix``)
-    see these 8 tokens."""
+    """Untimed: each drafter (of a list or a controller) alone drafts every step of an 8-token
+    generation, so the first-call costs of drafting and of verifying trees (kernel selection,
+    weight packing, an int8 copy) are paid here, not inside a timed run nor in a controller's
+    measurements. Drafters that learn from past outputs (``suffix``) see these 8 tokens."""
+    from ..control import Controller
+
     if drafter is None:
         return
-    for member in getattr(drafter, "members", None) or [drafter]:
-        if not member.self_paced:
-            generate(model, input_ids, drafter=member, max_new_tokens=8, temperature=temperature, seed=seed,
-                     adaptive=False)
+    members = drafter.members if isinstance(drafter, Controller) else drafter if isinstance(drafter, list) else [drafter]
+    for member in members:
+        generate(model, input_ids, drafter=member, max_new_tokens=8, temperature=temperature, seed=seed, control=False)
 
 
 def _no_budget(gen: dict) -> dict:

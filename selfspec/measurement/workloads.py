@@ -133,8 +133,6 @@ def heldout_chat_prompts(data_dir: str | Path, n: int, exclude: set[str] | None 
     """``n`` chat / instruction prompts for calibrating chat-trained drafters: first user turns of
     ``chat_prompts.jsonl`` read from its end, skipping any text in ``exclude`` (the drafter's
     training prompts) and any benchmark prompt."""
-    from training.distill import benchmark_prompts  # measurement helper; the library never needs it
-
     skip = set(exclude or ()) | benchmark_prompts(data_dir)
     out = []
     for rec in reversed(_jsonl(Path(data_dir) / "chat_prompts.jsonl")):
@@ -144,3 +142,20 @@ def heldout_chat_prompts(data_dir: str | Path, n: int, exclude: set[str] | None 
             if len(out) == n:
                 break
     return out
+
+
+def benchmark_prompts(data_dir: str | Path, holdout: int = 100) -> set[str]:
+    """User texts of every prompt set the benchmarks measure on (MT-Bench turns, the held-out BFCL
+    records, the adversarial prompts): self-distillation and calibration never use them."""
+    data = Path(data_dir)
+    texts: set[str] = set()
+    mt = data / "mt_bench_question.jsonl"
+    if mt.exists():
+        texts |= {t.strip() for q in load_spec_bench(mt) for t in q.turns}
+    for name in ("BFCL_v4_simple_python.json", "BFCL_v4_multiple.json"):
+        if (data / "bfcl" / name).exists():
+            texts |= {t.strip() for q in load_bfcl(data / "bfcl" / name)[:holdout] for t in q.turns}
+    adversarial = Path(__file__).resolve().parents[2] / "docs" / "prompts" / "adversarial.jsonl"
+    if adversarial.exists():
+        texts |= {t.strip() for q in load_spec_bench(adversarial) for t in q.turns}
+    return texts

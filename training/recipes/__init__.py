@@ -1,7 +1,8 @@
-"""One training recipe per drafter kind, all on the shared loop of :mod:`training.loop`.
+"""One training recipe per trainable drafter kind, all on the shared loop of :mod:`training.loop`.
 
-``RECIPES`` maps a drafter kind to its config class and recipe class; :func:`recipe_for` builds
-the recipe a config asks for. Adding a kind adds a file here and one line in ``RECIPES``.
+A drafter kind names its recipe module in its registry entry (``selfspec.drafters.register(kind,
+..., recipe="training.recipes.<kind>")``); that module defines ``RECIPE`` (the recipe class) and
+``CONFIG`` (its typed config). A new trainable kind adds its recipe file and nothing here.
 """
 
 from __future__ import annotations
@@ -12,32 +13,37 @@ from .layerskip import LayerSkipRecipe
 from .layerskip_lora import LoraSkipRecipe, LoraSkipTrainConfig
 from .medusa import MedusaRecipe
 
-#: kind -> (config class, recipe class)
-RECIPES: dict[str, tuple[type, type]] = {
-    "medusa": (HeadsTrainConfig, MedusaRecipe),
-    "layerskip": (HeadsTrainConfig, LayerSkipRecipe),
-    "eagle3": (Eagle3TrainConfig, Eagle3Recipe),
-    "layerskip_lora": (LoraSkipTrainConfig, LoraSkipRecipe),
-}
+
+def _module(kind: str):
+    from selfspec.drafters import kind_entry, kinds
+    from selfspec.drafters.registry import resolve
+
+    entry = kind_entry(kind) if kind in kinds() else None
+    if entry is None or entry.recipe is None:
+        raise ValueError(f"no training recipe for drafter kind {kind!r}; known: {recipe_kinds()}")
+    return resolve(entry.recipe)
+
+
+def recipe_kinds() -> list[str]:
+    """Kinds whose registry entry names a training recipe."""
+    from selfspec.drafters import kind_entry, kinds
+
+    return [k for k in kinds() if kind_entry(k).recipe is not None]
 
 
 def config_class(kind: str) -> type:
-    if kind not in RECIPES:
-        raise ValueError(f"no training recipe for drafter kind {kind!r}; known: {sorted(RECIPES)}")
-    return RECIPES[kind][0]
+    return _module(kind).CONFIG
 
 
 def recipe_for(cfg, **given):
     """The recipe for ``cfg.kind``, built with ``given`` (``model=``, ``tokenizer=``, data)."""
-    if cfg.kind not in RECIPES:
-        raise ValueError(f"no training recipe for drafter kind {cfg.kind!r}; known: {sorted(RECIPES)}")
-    return RECIPES[cfg.kind][1](cfg, **given)
+    return _module(cfg.kind).RECIPE(cfg, **given)
 
 
 def run(cfg, *, resume: bool = False, **given) -> dict:
     """setup -> train -> export -> cleanup for ``cfg``'s kind; returns the export summary."""
-    return RECIPES[cfg.kind][1].run(cfg, resume=resume, **given)
+    return _module(cfg.kind).RECIPE.run(cfg, resume=resume, **given)
 
 
-__all__ = ["RECIPES", "Eagle3Recipe", "Eagle3TrainConfig", "HeadsTrainConfig", "LayerSkipRecipe", "LoraSkipRecipe", "LoraSkipTrainConfig", "MedusaRecipe",
-           "config_class", "recipe_for", "run"]
+__all__ = ["Eagle3Recipe", "Eagle3TrainConfig", "HeadsTrainConfig", "LayerSkipRecipe", "LoraSkipRecipe",
+           "LoraSkipTrainConfig", "MedusaRecipe", "config_class", "recipe_for", "recipe_kinds", "run"]

@@ -199,14 +199,14 @@ class Eagle3Recipe(TrainingRun):
     def _init_from_drafter(self, path: str, vocab: int) -> None:
         """Warm start: every weight and buffer of the trained head at ``path`` (its draft
         vocabulary, whose coverage of the held-out answers is reported, and tap scale included)."""
-        from selfspec.checkpoint import CheckpointError, adapter_state
+        from selfspec.checkpoint import CheckpointError, adapter_state, read_checkpoint
 
         init = selfspec.load_drafter(path, self.model)
         if init.kind != "eagle3":
             raise CheckpointError(f"init_from {path!r} holds a {init.kind!r} drafter, not an eagle3 head")
         try:
-            if list(init.taps) != list(self.drafter.taps):
-                raise ValueError(f"taps {list(init.taps)} vs {list(self.drafter.taps)}")
+            if list(init.requires.taps) != list(self.drafter.requires.taps):
+                raise ValueError(f"taps {list(init.requires.taps)} vs {list(self.drafter.requires.taps)}")
             if self.cfg.init_grow:
                 theirs = self._grow(init.head, vocab)
             else:
@@ -216,7 +216,7 @@ class Eagle3Recipe(TrainingRun):
             raise CheckpointError(f"init_from {path!r} has another head shape than this config's eagle3 "
                                   f"section: {err}{hint}") from None
         self.head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in theirs.items()})
-        before = (init.checkpoint_meta.get("extra") or {})
+        before = (read_checkpoint(path)[0].get("extra") or {})
         self.lineage = [{"checkpoint": str(path), "steps": before.get("steps"),
                          "dataset": (before.get("training") or {}).get("dataset"),
                          "train_response_tokens": before.get("train_response_tokens"),
@@ -316,7 +316,7 @@ class Eagle3Recipe(TrainingRun):
         vocabulary ``[B, T, V_d]`` and its argmax over the full vocabulary ``[B, T]``."""
         device = self.acc.device
         head = self.head
-        with capture_taps(self.model, self.drafter.taps) as record:
+        with capture_taps(self.model, self.drafter.requires.taps) as record:
             last = self.model.get_decoder()(input_ids=ids.to(device)).last_hidden_state
         logits = lm_logits(self.model, last).float()  # [B, T, V]
         lse = logits.logsumexp(-1, keepdim=True)
@@ -459,3 +459,7 @@ class Eagle3Recipe(TrainingRun):
 def run(cfg: Eagle3TrainConfig, *, resume: bool = False, **given) -> dict:
     """setup -> train -> export -> cleanup; returns the export summary."""
     return Eagle3Recipe.run(cfg, resume=resume, **given)
+
+
+#: what the registry entry of this kind points to (selfspec.drafters.register(..., recipe=...))
+RECIPE, CONFIG = Eagle3Recipe, Eagle3TrainConfig

@@ -10,7 +10,7 @@ import torch
 from selfspec.lm_head import lm_logits
 
 from ..features import FeatureCache
-from .cached_features import CachedFeatureRecipe
+from .cached_features import CachedFeatureRecipe, HeadsTrainConfig
 
 
 class LayerSkipRecipe(CachedFeatureRecipe):
@@ -39,3 +39,7 @@ class LayerSkipRecipe(CachedFeatureRecipe):
         """A greedy chain of ``max_depth`` with independent acceptance ``acc[0][0]`` per token."""
         a = acc[0][0]
         return {"eval/expected_mat_chain": sum(a ** d for d in range(self.cfg.layerskip.max_depth + 1))}
+
+
+#: what the registry entry of this kind points to (selfspec.drafters.register(..., recipe=...))
+RECIPE, CONFIG = LayerSkipRecipe, HeadsTrainConfig

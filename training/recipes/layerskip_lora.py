@@ -173,3 +173,7 @@ class LoraSkipRecipe(TrainingRun):
         fig.tight_layout()
         fig.savefig(self.out / "training_curves.png", dpi=110)
         plt.close(fig)
+
+
+#: what the registry entry of this kind points to (selfspec.drafters.register(..., recipe=...))
+RECIPE, CONFIG = LoraSkipRecipe, LoraSkipTrainConfig

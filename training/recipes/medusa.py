@@ -9,7 +9,7 @@ import torch
 
 from selfspec.tree_search import best_tree, expected_accepted_length
 
-from .cached_features import CachedFeatureRecipe
+from .cached_features import CachedFeatureRecipe, HeadsTrainConfig
 
 
 class MedusaRecipe(CachedFeatureRecipe):
@@ -42,3 +42,7 @@ class MedusaRecipe(CachedFeatureRecipe):
         self.drafter.set_tree(tree)
         metrics["eval/expected_mat_current_tree"] = expected_accepted_length(tree, acc)
         return {"tree": tree}
+
+
+#: what the registry entry of this kind points to (selfspec.drafters.register(..., recipe=...))
+RECIPE, CONFIG = MedusaRecipe, HeadsTrainConfig

@@ -57,7 +57,7 @@ CPU_CLASSES = ("amx", "avx512_bf16", "avx512", "avx2", "other")
 def cpu_class(identity: dict | None = None) -> str:
     """The coarse kernel class of this CPU (one of :data:`CPU_CLASSES`): ``"amx"`` (AMX-BF16
     tiles), ``"avx512_bf16"`` (bf16 dot products without AMX), ``"avx512"``, ``"avx2"``, else
-    ``"other"``. Machines of one class share calibrated trees (:func:`machine_key`)."""
+    ``"other"``."""
     flags = set((identity or cpu_identity()).get("flags") or [])
     for flag, name in (("amx_bf16", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"), ("avx2", "avx2")):
         if flag in flags:
@@ -65,20 +65,11 @@ def cpu_class(identity: dict | None = None) -> str:
     return "other"
 
 
-def machine_key(dtype: str, device="cpu", identity: dict | None = None) -> str:
-    """``"<dtype>@<class>"``: the key a calibration for ``dtype`` on this machine is stored under
-    (``"bfloat16@amx"``, ``"float32@avx2"``, ``"bfloat16@cuda"`` on a GPU). Readers look it up
-    first and fall back to the bare dtype (:func:`for_machine`)."""
+def bf16_is_fast(device: str = "cpu") -> bool:
+    """Whether bfloat16 matmuls run natively here: a CUDA device with bf16, or a CPU with
+    AVX512-BF16 / AMX-BF16 (elsewhere bf16 is emulated and slower than float32)."""
     import torch
 
-    kind = torch.device(device).type
-    return f"{dtype}@{cpu_class(identity) if kind == 'cpu' else kind}"
-
-
-def for_machine(table: dict | None, dtype: str, device="cpu", identity: dict | None = None):
-    """The entry of ``table`` (keyed as :func:`machine_key` writes, or by the bare dtype, as rounds
-    before CPU classes wrote) for ``dtype`` on this machine: the entry of this machine's class
-    where there is one, else the bare dtype's (a calibration from another CPU), else ``None``."""
-    table = table or {}
-    got = table.get(machine_key(dtype, device, identity))
-    return got if got is not None else table.get(dtype)
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return cpu_class() in ("amx", "avx512_bf16")
