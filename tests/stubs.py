@@ -14,7 +14,7 @@ from selfspec.tree import DraftTree, Law, TreeBuilder
 
 def fixed(drafter, **config):
     """``drafter`` (one or several) under a controller that drafts every step with all of them and
-    verifies their trees whole (no arm choice: the old ``adaptive=False``), at a flat cost."""
+    verifies their trees whole (no arm choice: the old ``control=False``), at a flat cost."""
     from selfspec.control import ControlConfig, Controller, CostModel
 
     if drafter is None or isinstance(drafter, Controller):

@@ -9,8 +9,8 @@ import pytest
 from selfspec.measurement.benchmark import Record, divergence_table, from_rows, markdown_table, summarise
 
 
-def rec(qid, cat, method, tokens, time_s, steps, identical=True):
-    return Record(qid, cat, 0, method, 10, tokens, steps, time_s, 0.1, identical, [steps], [steps // 2])
+def rec(qid, cat, method, tokens, time_s, steps, identical=True, turn=0):
+    return Record(qid, cat, turn, method, 10, tokens, steps, time_s, 0.1, identical, [steps], [steps // 2])
 
 
 def test_speedup_is_a_rate_ratio_per_category_and_overall():
@@ -54,15 +54,13 @@ def test_speedup_intervals_and_unions_against_their_members():
                     rec(str(q), "a", "ngram", 100, 5.0 * noise, 50),
                     rec(str(q), "a", "eagle3+ngram", 100, 6.0 * noise, 40),
                     rec(str(q), "a", "ngram%bfloat16", 100, 4.0 * noise, 50),
-                    rec(str(q), "a", "eagle3+ngram%bfloat16", 100, 4.0 * noise, 40),
-                    rec(str(q), "a", "union@explore_share=0:eagle3+ngram", 100, 5.5 * noise, 40)]
+                    rec(str(q), "a", "eagle3+ngram%bfloat16", 100, 4.0 * noise, 40)]
     s = summarise(records)
     lo, hi = s["overall"]["ngram"]["speedup_ci"]
     assert lo <= s["overall"]["ngram"]["speedup"] <= hi
     assert summarise(records)["overall"]["ngram"]["speedup_ci"] == [lo, hi]  # seeded
     unions = {(u["union"], u["member"]): u for u in s["overall"]["baseline"]["unions"]}
-    assert set(unions) == {("eagle3+ngram", "ngram"), ("eagle3+ngram%bfloat16", "ngram%bfloat16"),
-                           ("union@explore_share=0:eagle3+ngram", "ngram")}  # a union with options too
+    assert set(unions) == {("eagle3+ngram", "ngram"), ("eagle3+ngram%bfloat16", "ngram%bfloat16")}
     assert unions[("eagle3+ngram", "ngram")]["ratio"] == pytest.approx(5 / 6)
     assert unions[("eagle3+ngram", "ngram")]["ci"][1] < 1.0  # a loss the noise cannot explain
     assert unions[("eagle3+ngram%bfloat16", "ngram%bfloat16")]["ratio"] == pytest.approx(1.0)
@@ -80,7 +78,27 @@ def test_speedup_intervals_and_unions_against_their_members():
         r.output_sha = ("u" if parted else "t") + r.question_id
     u = next(u for u in summarise(records)["overall"]["baseline"]["unions"] if u["union"] == "eagle3+ngram")
     assert u["same_text"] == [4, 6] and " | 4/6 |" in markdown_table(summarise(records))
-    assert summarise(records[:10])["overall"]["ngram"]["speedup_ci"] is None  # too few prompts
+    assert summarise(records[:10])["overall"]["ngram"]["speedup_ci"] is None  # too few conversations
+
+
+def test_intervals_resample_whole_conversations():
+    """Turns of one conversation are resampled together: six two-turn conversations whose turns
+    move together give a wider interval than the same twelve turns as independent units, and
+    fewer than three conversations give none."""
+    def records(pairs: bool):
+        out = []
+        for q in range(6):
+            speed = 1.0 + 0.3 * (q % 3)  # conversation-level variation, shared by both turns
+            for turn in range(2):
+                qid = str(q) if pairs else f"{q}-{turn}"
+                out += [rec(qid, "a", "baseline", 100, 10.0, 100, turn=turn),
+                        rec(qid, "a", "ngram", 100, 5.0 / speed, 50, turn=turn)]
+        return out
+
+    paired, independent = summarise(records(True)), summarise(records(False))
+    wide, narrow = paired["overall"]["ngram"]["speedup_ci"], independent["overall"]["ngram"]["speedup_ci"]
+    assert wide[1] - wide[0] > narrow[1] - narrow[0]
+    assert summarise(records(True)[:8])["overall"]["ngram"]["speedup_ci"] is None  # two conversations
 
 
 def test_two_methods_of_a_result_file_are_compared_on_the_turns_both_ran():
@@ -253,7 +271,7 @@ def test_repeats_keep_each_methods_median_run_and_refuse_methods_that_remember(t
     assert t.repeat_s_per_token[0] > t.repeat_s_per_token[2] > t.repeat_s_per_token[1]  # 9 s, then 1 s, then 4 s
     assert t.identical_to_baseline and not by["f"].identical_to_baseline
     suffix = build_drafter(model, "suffix")
-    for methods in ({"s": suffix}, {"u": build_drafter(model, "union", members=[build_drafter(model, "ngram"), suffix])},
+    for methods in ({"s": suffix}, {"u": benchmark.SelfspecMethod([build_drafter(model, "ngram"), suffix])},
                     {"c": benchmark.method_from_spec(model, "ngram~cache")}):
         with pytest.raises(ValueError, match="remembers earlier runs"):
             benchmark.run(model, tok, _questions(tmp_path), methods, max_new_tokens=4, progress=False, repeats=2)
@@ -261,8 +279,8 @@ def test_repeats_keep_each_methods_median_run_and_refuse_methods_that_remember(t
 
 
 def test_warm_up_drafts_before_the_first_measured_run(tmp_path):
-    """The untimed warm-up drafts (an adaptive run's first step is plain, so a warm-up through the
-    adaptive path alone left a drafter's first-call costs to its first measured prompt)."""
+    """The untimed warm-up drafts every step before the first measured run, so a drafter's
+    first-call costs land neither in a measured prompt nor in the controller's measurements."""
     from selfspec.drafters import build_drafter
 
     tok = tiny_tokenizer(128)
@@ -405,101 +423,25 @@ def test_results_name_the_cpu_and_its_speed_flags():
     assert "cpu" in benchmark.provenance()
 
 
-def test_compare_warms_up_each_union_member_before_timing(monkeypatch):
-    """``compare`` (the demo's timing) drafts with each member of a union, every step, before the
-    union's own warm-up and the timed runs: first-call costs were recorded as a slow arm by the
-    union, which then preferred plain steps for the rest of a short generation."""
+def test_compare_warms_up_each_drafter_before_timing(monkeypatch):
+    """``compare`` (the demo's timing) drafts with each drafter alone, every step, before the
+    controller's own warm-up and the timed runs, so first-call costs are not measured as drafting."""
+    from selfspec.control import Controller
     from selfspec.drafters import build_drafter
     from selfspec.measurement import measure
 
-    tok = tiny_tokenizer(128)
-    model = tiny_model("llama", vocab=len(tok))
-    union = build_drafter(model, "union", members=[build_drafter(model, "ngram"), build_drafter(model, "ngram", min_ngram=1)])
+    model = tiny_model("llama", vocab=64)
+    members = [build_drafter(model, "ngram"), build_drafter(model, "ngram", min_ngram=1)]
+    ctl = Controller(members)
     seen = []
     real = measure.generate
 
-    def watched(model, ids, drafter=None, **kw):
-        seen.append((drafter, kw.get("adaptive", True), kw.get("max_new_tokens")))
+    def spy(model, ids, drafter=None, **kw):
+        seen.append((drafter, kw.get("control"), kw.get("max_new_tokens")))
         return real(model, ids, drafter=drafter, **kw)
 
-    monkeypatch.setattr(measure, "generate", watched)
-    measure.compare(model, torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]]), union, max_new_tokens=6)
-    assert seen[0][0] is None  # plain warm-up
-    assert [(d, a) for d, a, _ in seen[1:3]] == [(m, False) for m in union.members]  # each member, drafting every step
-    assert seen[3][0] is union and seen[3][2] == 4  # then the union's own warm-up, then the timed runs
-    assert [d for d, _, n in seen[4:]] == [None, union] and all(n == 6 for _, _, n in seen[4:])
-
-
-def test_cold_start_ratios_to_a_member_alone_pair_seeds_and_resample_rounds():
-    """scripts/union_cold_start.py --alone: a variant's pooled tokens/s after the first step over a
-    drafter alone's on the same seeds, with a bootstrap interval that resamples rounds (a fresh
-    union's generations together); pairs of different seeds are refused, zero rates give 0."""
-    import importlib.util
-    import pathlib
-
-    spec = importlib.util.spec_from_file_location(
-        "cold_start", pathlib.Path(__file__).parents[1] / "scripts" / "union_cold_start.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    alone = [{"seed": i, "tokens": 100, "seconds": s} for i, s in enumerate((2.0, 3.0, 4.0, 5.0))]
-    same = script.paired_ratio(alone, alone)
-    assert same == (pytest.approx(1.0), [pytest.approx(1.0), pytest.approx(1.0)])
-    faster = [g | {"seconds": g["seconds"] / 1.25} for g in alone]
-    point, ci = script.paired_ratio(faster, alone)
-    assert point == pytest.approx(1.25) and ci == [pytest.approx(1.25), pytest.approx(1.25)]
-    mixed = [g | {"seconds": s} for g, s in zip(alone, (1.0, 3.0, 6.0, 5.0))]
-    point, ci = script.paired_ratio(mixed, alone)  # pooled: 400 tokens in 15 s against 14 s
-    assert point == pytest.approx(14 / 15) and ci[0] < point < ci[1]
-
-    def in_rounds(gens):  # two rounds of two generations each: too few rounds for an interval
-        return [g | {"round": i // 2} for i, g in enumerate(gens)]
-
-    assert script.paired_ratio(in_rounds(mixed), in_rounds(alone)) == (pytest.approx(14 / 15), None)
-    with pytest.raises(ValueError, match="same seeds"):
-        script.paired_ratio(mixed, alone[::-1])
-    with pytest.raises(ValueError, match="same positive number"):
-        script.paired_ratio(alone, alone[:3])
-    stalled = [g | {"tokens": 0} for g in alone]  # every generation ended in its first step
-    assert script.paired_ratio(alone, stalled) == (0.0, None)
-
-
-def test_union_replays_combine_into_mean_ratios_with_intervals():
-    """scripts/union_explore.py --combine: each method's ratio to the reference, mean over replays
-    with a Student-t interval, after the first step (over all passes over the prompts, and over the
-    second and later ones) and over whole generations; replays stored before those columns give
-    none; replays of other methods are refused."""
-    import importlib.util
-    import pathlib
-
-    spec = importlib.util.spec_from_file_location(
-        "union_explore", pathlib.Path(__file__).parents[1] / "scripts" / "union_explore.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-
-    def replay(union_after, union_whole, old=False):
-        rows = [{"method": "ngram", "reference_over_method": 1.0, "after_first_over_reference": 1.0,
-                 "later_passes_over_reference": 1.0},
-                {"method": "a+b", "reference_over_method": union_whole, "after_first_over_reference": union_after,
-                 "later_passes_over_reference": union_after + 0.01, "exploring_steps": 4}]
-        if old:
-            for r in rows:
-                del r["after_first_over_reference"], r["later_passes_over_reference"]
-        return {"rows": rows}
-
-    rows = script.combine([replay(0.98, 0.97), replay(1.00, 0.99), replay(0.99, 0.98)])
-    assert [r["method"] for r in rows] == ["ngram", "a+b"] and rows[1]["replays"] == 3
-    union = rows[1]
-    assert union["after_first"]["mean"] == pytest.approx(0.99) and union["whole"]["mean"] == pytest.approx(0.98)
-    low, high = union["after_first"]["ci"]  # sd 0.01, n 3: half-width 4.303 * 0.01 / sqrt(3)
-    assert (high - low) / 2 == pytest.approx(4.303 * 0.01 / 3 ** 0.5) and low < 0.99 < high
-    assert rows[0]["after_first"]["ci"] == [pytest.approx(1.0), pytest.approx(1.0)]
-    assert union["exploring_steps"] == 4 and "exploring_steps" not in rows[0]
-    assert union["later_passes"]["mean"] == pytest.approx(1.00)  # (a union's first pass over the prompts left out)
-    mixed = script.combine([replay(0.98, 0.97), replay(0.0, 0.99, old=True)])[1]
-    assert mixed["after_first"] is None and mixed["later_passes"] is None
-    assert script.t_interval([1.0]) is None
-    table = script._combined_table(rows, "cmd")
-    assert "| `a+b` | 3 | 0.990x (" in table and table.count("|---") == 6
-    other = {"rows": [{"method": "ngram", "reference_over_method": 1.0}, {"method": "c+d", "reference_over_method": 1.0}]}
-    with pytest.raises(ValueError, match="different methods"):
-        script.combine([replay(0.98, 0.97), other])
+    monkeypatch.setattr(measure, "generate", spy)
+    measure.compare(model, torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]]), ctl, max_new_tokens=6)
+    assert [(d, c) for d, c, _ in seen[1:3]] == [(m, False) for m in members]  # each drafter, every step
+    assert seen[3][0] is ctl and seen[3][2] == 4  # then the controller's own warm-up, then the timed runs
+    assert [d for d, _, n in seen[4:]] == [None, ctl] and all(n == 6 for _, _, n in seen[4:])

@@ -14,7 +14,7 @@ from selfspec.constraint import Constraint
 from selfspec.engine import decode
 from selfspec.sampling import SamplingConfig, target_probs
 from selfspec.tree import Law
-from stubs import ScriptedDrafter, table_target
+from stubs import ScriptedDrafter, fixed, table_target
 from test_distribution import chi_square_ok, control_samples
 
 VOCAB, PROMPT, NEW = 6, [1, 2], 3
@@ -67,9 +67,9 @@ def constrained_law(cfg: SamplingConfig) -> dict[tuple[int, ...], float]:
 
 def draw(cfg, drafter, constraint, n: int = 20000, seed: int = 0) -> dict[tuple[int, ...], int]:
     target, gen, counts = table_target(VOCAB), torch.Generator().manual_seed(seed), {}
-    ids = torch.tensor(PROMPT)
+    ids, controller = torch.tensor(PROMPT), fixed(drafter)
     for _ in range(n):
-        out = decode(target, ids, drafter, cfg, gen, NEW, set(), 100, constraint=constraint)
+        out = decode(target, ids, controller, cfg, gen, NEW, set(), 100, constraint=constraint)
         key = tuple(out.sequences[0, len(PROMPT):].tolist())
         counts[key] = counts.get(key, 0) + 1
     return counts
@@ -103,7 +103,7 @@ def test_greedy_identity_with_constraint():
                    constraint=PathConstraint())
     out = plain.sequences[0, len(PROMPT):].tolist()
     assert all(allowed_after(out[:i])[t] for i, t in enumerate(out))
-    spec = decode(table_target(VOCAB), torch.tensor(PROMPT), ScriptedDrafter(VOCAB, point=3, sampled=0), cfg,
+    spec = decode(table_target(VOCAB), torch.tensor(PROMPT), fixed(ScriptedDrafter(VOCAB, point=3, sampled=0)), cfg,
                   torch.Generator(), 40, set(), 100, constraint=PathConstraint())
     assert spec.sequences.tolist() == plain.sequences.tolist()
     free = decode(table_target(VOCAB), torch.tensor(PROMPT), None, cfg, torch.Generator(), 40, set(), 100)

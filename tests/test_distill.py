@@ -213,10 +213,6 @@ def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_o
     assert calibrate.training_prompts({"extra": {"training": {"dataset": f"{window}[1:]"}}}) == {second}
     (window / "shards" / "00000.jsonl").rename(window / "shards" / "00001.jsonl")  # a gap: positions unknown
     assert calibrate.training_prompts({"extra": {"training": {"dataset": f"{window}[1:]"}}}) == {first, second}
-    from selfspec.measurement.calibration import raced_choice
-
-    with pytest.raises(ValueError, match="needs prompts"):  # no prompt left: refused, not a KeyError
-        raced_choice(lambda keys, prompts: {k: [1.0] for k in keys}, [0, 1], [])
     with pytest.raises(SystemExit, match="only 3 calibration prompts"):  # calibrate / draft_cost / head_kernels
         calibrate._enough(["a", "b", "c"], 24)
     calibrate._enough(["a", "b"], 2)  # as many as asked for: enough

@@ -12,7 +12,7 @@ import selfspec
 import selfspec.verify as verify_mod
 from selfspec.checkpoint import CheckpointError
 from selfspec.drafters import Eagle3Config, build_drafter, load_drafter, save_drafter
-from selfspec.sampling import SamplingConfig, target_probs
+from selfspec.sampling import SamplingConfig
 from selfspec.taps import capture_taps
 from selfspec.target import TreeTarget
 from test_distribution import _stale_bonus, chi_square_ok, control_samples
@@ -77,7 +77,7 @@ def test_training_time_test_equals_inference_chain():
     model = tiny_model("llama", layers=5)
     drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64))
     seq = PROMPT[0]
-    with capture_taps(model, drafter.taps) as rec:
+    with capture_taps(model, drafter.requires.taps) as rec:
         model(seq[None])
     taps = rec.get()
     embeds = model.get_input_embeddings()(seq[None])
@@ -86,21 +86,28 @@ def test_training_time_test_equals_inference_chain():
         drafter.reset()
         last = drafter.catch_up(seq[: t + 2], taps[0, : t + 1])  # pairs 0..t
         torch.testing.assert_close(last[0], outs[0][0, t])
-        o, slots = last, []
+        o, slots = last, []  # then a chain of the true tokens, as the drafter's level calls run it
         for j in (1, 2):
-            o = drafter._forward_level(drafter.run_head, [int(seq[t + j + 1])], o, j, [slots])
-            slots = slots + [j - 1]
+            base = drafter.k.shape[1]
+            visible = torch.zeros(1, base + 1, dtype=torch.bool)
+            visible[0, : drafter.cached] = True
+            visible[0, [drafter.cached + s_ for s_ in slots] + [base]] = True
+            ids = seq[t + j + 1: t + j + 2]
+            o, k, v = drafter.head.step(drafter.embed(ids), o, torch.tensor([drafter.cached - 1 + j]), drafter.k,
+                                        drafter.v, visible)
+            drafter.k, drafter.v = torch.cat([drafter.k, k], dim=1), torch.cat([drafter.v, v], dim=1)
+            slots.append(base - drafter.cached)
             torch.testing.assert_close(o[0], outs[j][0, t])
 
 
 def test_draft_cache_after_compaction_equals_a_fresh_recomputation():
     model = tiny_model("llama", layers=5)
-    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6), scale=0.5)
-    out = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=20, adaptive=False, eos_token_id=[])
+    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64), scale=0.5)
+    out = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=20, control=False, eos_token_id=[])
     seq = out.sequences[0]
     fresh = build_drafter(model, "eagle3", draft_vocab_size=64)
     fresh.head.load_state_dict(drafter.head.state_dict())
-    target = TreeTarget(model, taps=fresh.taps)
+    target = TreeTarget(model, taps=fresh.requires.taps)
     committed = drafter.cached
     feats = target.prefill(seq[: committed + 1]).taps
     fresh.catch_up(seq[: committed + 1], feats)
@@ -133,76 +140,29 @@ def test_catch_up_computes_the_last_output_only_and_the_same_one():
         assert not torch.allclose(wrong[0], full[0][-1:])  # negative control: another row's mask
 
 
-def test_skipped_steps_are_caught_up_at_the_next_proposal():
-    """Inside a union the head is told to skip steps: their taps are kept and run in one call at the
-    next proposal, which then drafts the same tree as a head that saw every step; the same when
-    the union first calls ``sync`` (timed apart) and then ``propose``."""
+def test_steps_not_drafted_are_caught_up_at_the_next_proposal():
+    """Steps the head does not draft (the controller ran plain steps or another drafter) are run in
+    one call at its next proposal, which then drafts the same tree as a head that drafted every
+    step, from the taps of every committed position (``ctx.features``)."""
     from selfspec.drafters.base import DraftContext
     from selfspec.sampling import SamplingConfig
 
     model = tiny_model("llama", layers=5)
-    every = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6), scale=0.5)
-    lazy = build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6)
+    every = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64), scale=0.5)
+    lazy = build_drafter(model, "eagle3", draft_vocab_size=64)
     lazy.head.load_state_dict(every.head.state_dict())
-    synced = build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6)
-    synced.head.load_state_dict(every.head.state_dict())
     seq = torch.tensor([3, 9, 27, 3, 9, 27, 3, 9, 5, 11, 4, 8, 15, 16, 23, 42]) % model.config.vocab_size
-    taps = TreeTarget(model, taps=every.taps).prefill(seq).taps  # [15, 3H]: positions 0..14
-    cuts = [4, 7, 8, 12]  # committed lengths at successive steps
-    prev = 0
-    for i, c in enumerate(cuts):
-        ctx = DraftContext(seq[: c + 1], None, 3, SamplingConfig(0.0), torch.Generator(), features=taps[prev:c])
+    taps = TreeTarget(model, taps=every.requires.taps).prefill(seq).taps  # [15, 3H]: positions 0..14
+    for c in [4, 7, 8, 12]:  # committed lengths at successive steps
+        ctx = DraftContext(seq[: c + 1], None, 3, SamplingConfig(0.0), torch.Generator(), features=taps[:c])
         tree = every.propose(ctx)
-        if i < len(cuts) - 1:
-            lazy.skip(ctx)
-            synced.skip(ctx)
-        else:
-            other = lazy.propose(ctx)
-            assert torch.equal(tree.tokens, other.tokens) and torch.equal(tree.parents, other.parents)
-            torch.testing.assert_close(lazy.k, every.k)
-            synced.sync(ctx)
-            assert synced.cached == c and not synced._deferred
-            third = synced.propose(ctx)  # finds its cache current: nothing run twice
-            assert torch.equal(tree.tokens, third.tokens) and torch.equal(tree.parents, third.parents)
-            torch.testing.assert_close(synced.k, every.k)
-        prev = c
+    other = lazy.propose(ctx)  # only the last step
+    assert torch.equal(tree.tokens, other.tokens) and torch.equal(tree.parents, other.parents)
+    torch.testing.assert_close(lazy.k, every.k)
+    with pytest.raises(RuntimeError, match="taps of all"):
+        build_drafter(model, "eagle3", draft_vocab_size=64).propose(
+            DraftContext(seq[:13], None, 3, SamplingConfig(0.0), torch.Generator(), features=taps[:5]))
 
-
-def test_first_guess_is_the_greedy_trees_first_child_after_catching_up():
-    """``first_guess`` (a union's shadow guess) names the token the head's greedy tree ranks first
-    at depth 1 (also left in ``last_guess`` by ``propose``, greedy or sampled tree), after catching
-    up on skipped steps like ``sync``: the head's cache is then current and its next tree is the
-    one a head that saw every step drafts."""
-    from selfspec.drafters.base import DraftContext
-    from selfspec.sampling import SamplingConfig
-
-    model = tiny_model("llama", layers=5)
-    every = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6, width=2, branch=2), scale=0.5)
-    guessing = build_drafter(model, "eagle3", draft_vocab_size=64, max_nodes=6, width=2, branch=2)
-    guessing.head.load_state_dict(every.head.state_dict())
-    assert every.guesses_first
-    seq = torch.tensor([3, 9, 27, 3, 9, 27, 3, 9, 5, 11, 4, 8, 15, 16, 23, 42]) % model.config.vocab_size
-    taps = TreeTarget(model, taps=every.taps).prefill(seq).taps
-    cuts, prev = [4, 7, 8, 12], 0
-    for i, c in enumerate(cuts):
-        ctx = DraftContext(seq[: c + 1], None, 3, SamplingConfig(0.0), torch.Generator(), features=taps[prev:c])
-        tree = every.propose(ctx)
-        first = [j for j in range(1, tree.num_nodes) if int(tree.parents[j]) == 0]
-        assert every.last_guess == int(tree.tokens[first[0]])
-        if i < 2:
-            guessing.skip(ctx)
-        else:
-            assert guessing.first_guess(ctx) == every.last_guess
-            assert guessing.cached == c and not guessing._deferred
-            torch.testing.assert_close(guessing.k, every.k)
-            again = guessing.propose(ctx)
-            assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
-        sampled = every.with_options(sampled=True)
-        sampled.k, sampled.v, sampled.cached, sampled._last = every.k, every.v, every.cached, every._last
-        hot = DraftContext(seq[: c + 1], None, 3, SamplingConfig(0.7), torch.Generator().manual_seed(i))
-        sampled.propose(hot)  # (its cache is current: nothing to catch up)
-        assert sampled.last_guess == every.last_guess  # the most likely first token, whatever is drawn
-        prev = c
 
 
 # ---------------------------------------------------------------- greedy identity
@@ -213,11 +173,10 @@ def trained_llama(tmp_path_factory):
     return model, drafter
 
 
-@pytest.mark.parametrize("mode", ["tree", "chain", "tree_min_score", "tree_min_first", "tree_int8"])
+@pytest.mark.parametrize("mode", ["tree", "chain", "tree_int8"])
 def test_greedy_identity_with_a_trained_head(trained_llama, mode):
     model, drafter = trained_llama
-    opts = {"tree": {}, "chain": dict(width=1, branch=1), "tree_min_score": dict(min_score=0.05),
-            "tree_min_first": dict(min_first=0.0295), "tree_int8": dict(head_weights="int8")}[mode]
+    opts = {"tree": {}, "chain": dict(width=1, branch=1), "tree_int8": dict(head_weights="int8")}[mode]
     d = drafter.with_options(**opts)
     sizes, propose = [], d.propose
 
@@ -228,13 +187,10 @@ def test_greedy_identity_with_a_trained_head(trained_llama, mode):
 
     d.propose = spy
     reference = model.generate(PROMPT, max_new_tokens=40, do_sample=False, pad_token_id=0)
-    out = selfspec.generate(model, PROMPT, drafter=d, max_new_tokens=40, adaptive=False)
+    out = selfspec.generate(model, PROMPT, drafter=d, max_new_tokens=40, control=False)
     assert torch.equal(out.sequences, reference)
-    if mode == "tree_min_first":  # the floor bound in some steps (nothing drafted), not in others
-        # (this tiny head's first-token probabilities are 0.028-0.032)
-        assert 1 in sizes and max(sizes) > 1 and sum(out.stats.accepted_per_depth) > 0, sizes
-    if mode not in ("tree_min_score", "tree_min_first"):  # an unsure head may draft nothing above the floor
-        assert out.stats.mean_accepted_length > 1.5  # the drafts were really verified and often right
+    assert out.stats.mean_accepted_length > 1.5  # the drafts were really verified and often right
+    assert max(sizes) > 1
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -243,103 +199,25 @@ def test_greedy_identity_every_family(family):
     model = tiny_model(family, vocab=16)
     drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=12), scale=0.4)
     reference = model.generate(PROMPT % 16, max_new_tokens=30, do_sample=False, pad_token_id=0)
-    out = selfspec.generate(model, PROMPT % 16, drafter=drafter, max_new_tokens=30, adaptive=False)
+    out = selfspec.generate(model, PROMPT % 16, drafter=drafter, max_new_tokens=30, control=False)
     assert torch.equal(out.sequences, reference)
     assert sum(out.stats.accepted_per_depth) > 0
 
 
-@pytest.mark.parametrize("shadow", [False, True])
-def test_union_with_ngram_keeps_identity(trained_llama, shadow):
-    """Greedy identity of ``eagle3+ngram``; with shadow guesses (here forced: every other step runs
-    prompt lookup alone while the head catches up and guesses its first token, no tree; the head
-    drafts again in the steps between) over several generations."""
-    from selfspec.drafters import UnionDrafter
-
-    class Shadowing(UnionDrafter):
-        def _choose_arm(self, ctx):
-            arm = super()._choose_arm(ctx)
-            if self.shadow and self.steps % 2 == 0:
-                arm, self._shadow_member = 2, 0  # (arms: plain, head, lookup, merge)
-                self._pending = (self._pending[0], arm) + self._pending[2:]
-            return arm
+def test_union_with_ngram_keeps_identity(trained_llama):
+    """Greedy identity of ``eagle3+ngram`` under one controller over several generations: its
+    arms (the head alone, prompt lookup alone, the merge, plain steps) and its cuts by the sizing
+    rule, the head catching up after the steps it did not draft."""
+    from selfspec.control import Controller
 
     model, drafter = trained_llama
-    union = Shadowing([drafter, build_drafter(model, "ngram", min_ngram=1)], shadow=shadow)
+    controller = Controller([drafter, build_drafter(model, "ngram", min_ngram=1)])
     reference = model.generate(PROMPT, max_new_tokens=30, do_sample=False, pad_token_id=0)
-    for _ in range(3):
-        out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=30)
+    for _ in range(4):
+        out = selfspec.generate(model, PROMPT, drafter=controller, max_new_tokens=30)
         assert torch.equal(out.sequences, reference)
-    assert (union.shadows > 0) == shadow and (union.arm_steps[1] + union.arm_steps[3] > 0), union.arm_steps
-    if shadow:
-        assert sum(n for _, n in union.guess_sums.values()) > 0 and union.guess_pooled[0][1] > 0
+    assert controller.arm_steps[1] + controller.arm_steps[3] > 0, controller.arm_steps
 
-
-def test_the_familiarity_read_counts_top3_hits_of_the_windows_own_pairs(trained_llama):
-    """``read_familiarity`` equals a loop over the window's pairs, each run with the window's
-    earlier pairs only (the read attends within the window), counting the tokens t + 2 that are
-    among pair t's top three draft tokens; the last pair predicts the unknown next token."""
-    from selfspec.drafters.eagle3 import FAMILIAR_TOP
-
-    model, drafter = trained_llama
-    ids = torch.cat([PROMPT[0], torch.tensor([7, 2, 3, 9, 27])])  # P + 1 = 15 tokens
-    feats = TreeTarget(model, taps=drafter.taps).prefill(ids).taps  # positions 0 .. P - 1
-    head, P = drafter.head, ids.shape[0] - 1
-    for window in (8, 11, 64):
-        w = min(window, P)
-        hits = 0
-        for t in range(P - w, P - 1):
-            pairs = slice(P - w, t + 1)
-            n = t + 1 - (P - w)
-            out, _, _ = head.step(drafter.embed(ids[P - w + 1: t + 2]), head.fuse(feats[pairs]),
-                                  torch.arange(P - w, t + 1), None, None, torch.ones(n, n, dtype=torch.bool).tril())
-            top = drafter._draft_ids[head.logits(out[-1:])[0].topk(FAMILIAR_TOP).indices]
-            hits += int(ids[t + 2]) in top.tolist()
-        assert drafter.read_familiarity(ids, feats, window) == (hits, w - 1)
-    assert 0 < drafter.read_familiarity(ids, feats, 64)[0] < P - 1  # (neither bound: the test says something)
-
-
-def test_a_union_leaves_out_a_head_that_reads_the_prompt_as_unfamiliar(trained_llama):
-    """Under the familiarity floor the head's context key is its abstain key for the whole
-    generation: the union runs neither it alone nor the merge, never asks it for a tree or a
-    catch-up, and it keeps no taps; the output stays the target's greedy one. Over the floor
-    (or alone, where the floor does not apply) it drafts as before. This prompt's read: 3 of 7
-    tokens among the head's top three (window 8)."""
-    from selfspec.drafters import UnionDrafter
-
-    model, drafter = trained_llama
-    reference = model.generate(PROMPT, max_new_tokens=30, do_sample=False, pad_token_id=0)
-    for floor, abstains in ((0.5, True), (0.3, False)):
-        head = drafter.with_options(min_familiar=floor, familiar_window=8)
-        calls, propose, catch_up = [], head.propose, head.catch_up
-        head.propose = lambda ctx: calls.append("propose") or propose(ctx)
-        head.catch_up = lambda *a: calls.append("catch_up") or catch_up(*a)
-        union = UnionDrafter([head, build_drafter(model, "ngram", min_ngram=1)])
-        for _ in range(3):
-            out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=30)
-            assert torch.equal(out.sequences, reference)
-            assert head.familiar == (3, 7) and head._abstain is abstains
-            assert (head._deferred == []) or not abstains
-        used = union.arm_steps[1] + union.arm_steps[3]
-        assert (used == 0 and not calls) if abstains else (used > 0 and calls), (floor, union.arm_steps)
-    alone = drafter.with_options(min_familiar=0.5, familiar_window=8)
-    out = selfspec.generate(model, PROMPT, drafter=alone, max_new_tokens=30, adaptive=False)
-    assert torch.equal(out.sequences, reference) and out.stats.mean_accepted_length > 1.5
-    assert alone.familiar is None  # (alone it never reads: only a union asks for its key)
-
-
-def test_a_short_prompt_counts_as_familiar():
-    """Fewer than ``familiar_window // 4`` predicted tokens decide nothing: the head stays in."""
-    from selfspec.drafters.base import DraftContext
-
-    model = tiny_model("llama", layers=5)
-    d = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32, min_familiar=0.9, familiar_window=64))
-    ids = PROMPT[0]  # 9 pairs, 8 predicted < 16
-    ctx = DraftContext(ids, None, 3, SamplingConfig(0.0), torch.Generator(),
-                       features=TreeTarget(model, taps=d.taps).prefill(ids).taps)
-    assert d.context_key(ctx) == 0 and d.familiar[1] == 8
-    d.reset()
-    d2 = d.with_options(familiar_window=16)  # 8 predicted >= 4: decided, and a random head is unfamiliar
-    assert d2.context_key(ctx) == d2.abstain_key == -1
 
 
 # ---------------------------------------------------------------- distribution equality
@@ -360,7 +238,7 @@ def _counts(model, cfg, drafter, n=SAMPLES):
     for _ in range(n):
         out = selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=drafter, max_new_tokens=NEW,
                                 temperature=cfg.temperature, top_k=cfg.top_k, generator=gen, eos_token_id=[],
-                                adaptive=False)
+                                control=False)
         key = tuple(out.sequences[0, len(DIST_PROMPT):].tolist())
         counts[key] = counts.get(key, 0) + 1
         tested += sum(out.stats.tested_per_depth)
@@ -370,28 +248,21 @@ def _counts(model, cfg, drafter, n=SAMPLES):
 
 
 def _sampling_drafter(model, head_weights="native"):
-    """Draft vocabulary of 5 of the 6 tokens: one token always has q = 0. Its own tree is a chain of
-    one; the sampled tree (2 children of the root, 3 nodes below: ``for_sampling``, the
-    tree ``scripts/calibrate.py --temperature`` stores) is what T > 0 steps draft."""
-    d = build_drafter(model, "eagle3", draft_vocab_size=5, width=1, branch=1, max_depth=1, max_nodes=1,
-                      head_weights=head_weights)
-    return _randomise(d, seed=2, scale=0.5).for_sampling(dict(width=3, branch=2, max_depth=2, max_nodes=6))
+    """Draft vocabulary of 5 of the 6 tokens: one token always has q = 0. Sampled trees: up to 3
+    slots per level, 2 children per parent, 2 levels."""
+    d = build_drafter(model, "eagle3", draft_vocab_size=5, width=3, branch=2, max_depth=2, head_weights=head_weights)
+    return _randomise(d, seed=2, scale=0.5)
 
 
-@pytest.mark.parametrize("floor", [{}, dict(min_score=0.3)])
-def test_sampled_children_keep_the_target_law(monkeypatch, floor):
-    """With a confidence floor (``min_score``) a node is expanded only where its path's draft
-    probability, its own drawn token's included, stays above the floor, so the tree's shape
-    depends on earlier draws (decided before the children it adds are drawn): the law must hold
-    for such trees too, and the floor must bind (trees of several sizes). (``min_first`` applies
-    to greedy steps only: ``test_min_first_applies_to_greedy_steps_only``.)"""
+def test_sampled_children_keep_the_target_law(monkeypatch):
+    """Sampled trees whose shape depends on earlier draws (the next level's parents are the best
+    slots by the drawn tokens' draft probability, decided before the children they get are drawn)
+    keep the target's law; trees of several sizes occur."""
     model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
     drafter = _sampling_drafter(model, "native")
-    if floor:
-        drafter = drafter.with_options(**floor)
     widest, sizes, real_verify = [0], set(), verify_mod._verify_sampled
 
-    def spy(tree, probs, gen):  # the sampled tree (2 root children: branch 2), not the own chain of 1
+    def spy(tree, probs, gen):
         widest[0] = max(widest[0], int((tree.parents[1:] == 0).sum()))
         sizes.add(tree.num_nodes)
         return real_verify(tree, probs, gen)
@@ -399,30 +270,8 @@ def test_sampled_children_keep_the_target_law(monkeypatch, floor):
     monkeypatch.setattr(verify_mod, "_verify_sampled", spy)
     ok, msg = chi_square_ok(_exact_law(model, cfg), _counts(model, cfg, drafter), n=SAMPLES)
     assert ok, msg
-    assert widest[0] == 2
-    if floor:
-        assert len(sizes) >= 2, sizes  # the floor cut some trees and not others
+    assert widest[0] == 2 and len(sizes) >= 2, sizes
 
-
-def test_min_first_applies_to_greedy_steps_only():
-    """A head unsure of its first token drafts nothing in a greedy step, and its sampled tree as
-    before at T > 0 (where the top probability does not bound acceptance); its cache holds the
-    committed pairs only either way."""
-    from selfspec.drafters.base import DraftContext
-
-    model = _peaked_model()
-    ids = torch.tensor(DIST_PROMPT + [4, 1, 2])
-    sizes = {}
-    for name, floor in (("floored", 0.99), ("plain", 0.0)):
-        d = _sampling_drafter(model, "native").with_options(min_first=floor)
-        for temperature in (0.0, 0.9):
-            d.reset()
-            ctx = DraftContext(ids, None, 3, SamplingConfig(temperature, top_k=4), torch.Generator().manual_seed(0),
-                               features=TreeTarget(model, taps=d.taps).prefill(ids).taps)
-            sizes[(name, temperature)] = d.propose(ctx).num_nodes
-            assert d.k.shape[1] == d.cached == ids.shape[0] - 1
-    assert sizes[("floored", 0.0)] == 1 < sizes[("plain", 0.0)], sizes
-    assert sizes[("floored", 0.9)] == sizes[("plain", 0.9)] > 1, sizes
 
 
 def test_int8_children_are_drawn_from_the_law_they_record(monkeypatch):
@@ -432,7 +281,7 @@ def test_int8_children_are_drawn_from_the_law_they_record(monkeypatch):
     native head); what int8 could break is which head a law comes from, and a drawn/recorded
     mismatch at int8's small weight error would bias the output far below what a chi-square test
     of 6000 samples resolves (this check replaced that test, round 25)."""
-    import selfspec.drafters.eagle3 as eagle3_mod
+    import selfspec.drafters.expander as eagle3_mod
 
     model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
     real_draw, real_verify = eagle3_mod.draw_without_replacement, verify_mod._verify_sampled
@@ -463,7 +312,7 @@ def test_int8_children_are_drawn_from_the_law_they_record(monkeypatch):
         for _ in range(20):
             selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=drafter, max_new_tokens=8,
                               temperature=cfg.temperature, top_k=cfg.top_k, generator=gen, eos_token_id=[],
-                              adaptive=False)
+                              control=False)
         assert steps > 20
         monkeypatch.undo()
     a, b = first_law["native"], first_law["int8"]  # same context: only the head's weights differ
@@ -528,157 +377,6 @@ def test_checkpoint_round_trip_and_foreign_targets(tmp_path):
         load_drafter(tmp_path / "d", tiny_model("qwen3"))
 
 
-def test_tree_calibrated_inside_unions_is_used_there_only(tmp_path):
-    """``extra.options_in_union_by_dtype`` (scripts/calibrate.py --within) is the member tree of
-    ``a+b`` specs and ``build_drafter(model, "union", ...)``; the head alone keeps its own tree,
-    ``@`` options apply on top of it, another dtype's entry is ignored, and a bad entry is refused at load."""
-    import json
-
-    from selfspec.checkpoint import CONFIG_FILE
-    from selfspec.drafters import drafter_from_spec
-
-    model = tiny_model("llama", layers=5)
-    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32, max_depth=4, width=2, max_nodes=6))
-    save_drafter(drafter, tmp_path / "d")
-    meta = json.loads((tmp_path / "d" / CONFIG_FILE).read_text())
-    meta["extra"] = {"options_in_union_by_dtype": {"float64": {"max_depth": 3, "width": 1, "branch": 1, "max_nodes": 3},
-                                                   "bfloat16": {"max_depth": 5}}}
-    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
-    alone = load_drafter(tmp_path / "d", model)
-    assert (alone.cfg.max_depth, alone.cfg.max_nodes) == (4, 6)
-    union = drafter_from_spec(model, f"{tmp_path / 'd'}+ngram")
-    head = union.members[0]  # merged steps draft the union tree; steps it drafts alone, its own
-    assert (head.merge_cfg.max_depth, head.merge_cfg.width, head.merge_cfg.max_nodes) == (3, 1, 3)
-    assert (head.cfg.max_depth, head.cfg.max_nodes) == (4, 6)
-    assert head.merge_cfg.sampled is True and head.cfg.sampled is True  # the union's sampling anchor
-    assert union.anchor == 0
-    assert head.checkpoint_meta is not None
-    built = build_drafter(model, "union", members=[alone, build_drafter(model, "ngram")])
-    assert built.members[0].merge_cfg.max_nodes == 3 and built.members[0].cfg.max_nodes == 6
-    explicit = drafter_from_spec(model, f"{tmp_path / 'd'}@max_nodes=5+ngram")  # on top of the union tree
-    assert (explicit.members[0].merge_cfg.max_depth, explicit.members[0].merge_cfg.max_nodes) == (3, 5)
-    assert (explicit.members[0].cfg.max_depth, explicit.members[0].cfg.max_nodes) == (4, 5)
-    # what each step drafts: the union tree when merged, the own tree alone (same cache, one head)
-    from dataclasses import replace
-
-    from selfspec.drafters.base import DraftContext
-
-    ids = PROMPT[0]
-    ctx = DraftContext(ids, None, 8, SamplingConfig(0.0), torch.Generator(),
-                       features=TreeTarget(model, taps=head.taps).prefill(ids).taps)
-    sizes = {}
-    for merged in (False, True):
-        sizes[merged] = head.propose(replace(ctx, merged=merged)).num_nodes - 1
-        ctx = replace(ctx, features=None)  # (shown once: the second call finds its cache current)
-    assert sizes == {False: 6, True: 3}, sizes
-    # at T > 0: sampled children alone (passed through the union) and merged (the union's anchor:
-    # prompt lookup's point masses are grafted on them); as a second sampling member, point masses merged
-    from selfspec.tree import Law
-
-    head.reset()
-    ctx = DraftContext(ids, None, 8, SamplingConfig(0.9, top_k=4), torch.Generator().manual_seed(0),
-                       features=TreeTarget(model, taps=head.taps).prefill(ids).taps)
-    sampled = {}
-    for merged in (False, True):
-        tree = head.propose(replace(ctx, merged=merged))
-        sampled[merged] = bool((tree.laws[1:] != Law.POINT).any())
-        ctx = replace(ctx, features=None)
-    assert sampled == {False: True, True: True}, sampled
-    second = build_drafter(model, "union", members=[build_drafter(model, "ngram"), alone, alone]).members[2]
-    head.reset()
-    ctx = DraftContext(ids, None, 8, SamplingConfig(0.9, top_k=4), torch.Generator().manual_seed(0),
-                       features=TreeTarget(model, taps=head.taps).prefill(ids).taps)
-    for merged in (False, True):
-        tree = second.propose(replace(ctx, merged=merged))
-        sampled[merged] = bool((tree.laws[1:] != Law.POINT).any())
-        ctx = replace(ctx, features=None)
-    assert sampled == {False: True, True: False}, sampled
-    assert drafter_from_spec(model, f"{tmp_path / 'd'}@max_nodes=5").cfg.max_depth == 4  # alone: its own tree
-    out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=12)
-    assert torch.equal(out.sequences, selfspec.generate(model, PROMPT, max_new_tokens=12).sequences)
-    meta["extra"]["options_in_union_by_dtype"]["float64"] = {"max_depth": 3, "draft_vocab_size": 8}
-    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match="cannot change"):
-        load_drafter(tmp_path / "d", model)
-
-
-def test_tree_calibrated_for_sampling_is_used_at_t_above_zero_only(tmp_path):
-    """``extra.options_sampled_by_dtype`` (scripts/calibrate.py --temperature) is the tree of the
-    steps the head drafts alone at T > 0; greedy steps keep the head's own tree (and stay
-    token-identical to plain greedy), a union's merged steps the union tree; ``@`` options apply to
-    every tree; drafters without per-call trees refuse one."""
-    import json
-    from dataclasses import replace
-
-    from selfspec.checkpoint import CONFIG_FILE
-    from selfspec.drafters import drafter_from_spec
-    from selfspec.drafters.base import DraftContext
-
-    model = tiny_model("llama", layers=5)
-    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32, max_depth=2, width=1, branch=1,
-                                       max_nodes=2))
-    save_drafter(drafter, tmp_path / "d")
-    meta = json.loads((tmp_path / "d" / CONFIG_FILE).read_text())
-    meta["extra"] = {"options_sampled_by_dtype": {"float64": {"max_depth": 2, "width": 2, "branch": 2, "max_nodes": 4},
-                                                  "bfloat16": {"max_depth": 5}},
-                     "options_in_union_by_dtype": {"float64": {"max_depth": 3, "width": 1, "branch": 1, "max_nodes": 3}}}
-    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
-    head = load_drafter(tmp_path / "d", model)
-    assert (head.cfg.width, head.cfg.max_nodes) == (1, 2)
-    assert (head.sampled_cfg.width, head.sampled_cfg.max_nodes, head.sampled_cfg.max_depth) == (2, 4, 2)
-    ids = PROMPT[0]
-    shapes = {}
-    for name, sampling in (("greedy", SamplingConfig(0.0)), ("sampled", SamplingConfig(0.9, top_k=4))):
-        head.reset()
-        ctx = DraftContext(ids, None, 8, sampling, torch.Generator().manual_seed(0),
-                           features=TreeTarget(model, taps=head.taps).prefill(ids).taps)
-        tree = head.propose(ctx)
-        shapes[name] = (tree.num_nodes - 1, int((tree.parents[1:] == 0).sum()))
-        if name == "sampled":  # merged steps: the union tree (sampled, as the union's anchor)
-            merged = head.for_merging(meta["extra"]["options_in_union_by_dtype"]["float64"])
-            assert head.tree_config(replace(ctx, merged=True)) is head.cfg  # (no union tree on its own)
-            assert merged.tree_config(replace(ctx, merged=True)).max_nodes == 3
-            assert merged.tree_config(ctx).max_nodes == 4  # the sampled tree survives for_merging
-    assert shapes == {"greedy": (2, 1), "sampled": (4, 2)}, shapes
-    union = drafter_from_spec(model, f"{tmp_path / 'd'}+ngram")
-    assert union.members[0].sampled_cfg.max_nodes == 4 and union.members[0].merge_cfg.max_nodes == 3
-    changed = drafter_from_spec(model, f"{tmp_path / 'd'}@max_nodes=3")
-    assert changed.cfg.max_nodes == 3 and changed.sampled_cfg.max_nodes == 3 and changed.sampled_cfg.width == 2
-    reference = model.generate(PROMPT, max_new_tokens=30, do_sample=False, pad_token_id=0)
-    out = selfspec.generate(model, PROMPT, drafter=head, max_new_tokens=30, adaptive=False)
-    assert torch.equal(out.sequences, reference)
-    with pytest.raises(ValueError, match="no separate tree"):
-        build_drafter(model, "ngram").for_sampling({"max_nodes": 4})
-    meta["extra"]["options_sampled_by_dtype"]["float64"] = {"taps": [0, 1, 2]}
-    (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match="cannot change"):
-        load_drafter(tmp_path / "d", model)
-
-
-def test_load_drafter_prefers_the_tree_calibrated_on_this_class_of_machine(tmp_path):
-    """A ``dtype@class`` entry (this machine's class) is the tree loaded; the bare dtype's entry
-    (another machine, earlier rounds) only where there is none; another class's is ignored."""
-    import json
-
-    from selfspec.checkpoint import CONFIG_FILE
-    from selfspec.machine import machine_key
-
-    model = tiny_model("llama", layers=5)
-    save_drafter(build_drafter(model, "eagle3", draft_vocab_size=32, max_depth=2, width=1, branch=1, max_nodes=2),
-                 tmp_path / "d")
-    meta = json.loads((tmp_path / "d" / CONFIG_FILE).read_text())
-    here, other = machine_key("float64", "cpu"), ("float64@avx2" if machine_key("float64", "cpu") != "float64@avx2"
-                                                  else "float64@amx")
-    for table, want in (({"float64": {"max_nodes": 3}}, 3),
-                        ({"float64": {"max_nodes": 3}, here: {"max_nodes": 4}}, 4),
-                        ({"float64": {"max_nodes": 3}, other: {"max_nodes": 5}}, 3),
-                        ({other: {"max_nodes": 5}}, 2)):
-        meta["extra"] = {"options_by_dtype": table, "options_sampled_by_dtype": table}
-        (tmp_path / "d" / CONFIG_FILE).write_text(json.dumps(meta))
-        head = load_drafter(tmp_path / "d", model)
-        sampled = head.sampled_cfg or head.cfg  # (none where no entry applies)
-        assert head.cfg.max_nodes == want and sampled.max_nodes == want, (table, want)
-
 
 def _stored_with_every_tree(model, drafter, folder, own: dict, config: dict | None = None):
     """Save ``drafter`` in ``folder`` with an own tree entry ``own`` for this machine, a tree of
@@ -707,42 +405,6 @@ def _stored_with_every_tree(model, drafter, folder, own: dict, config: dict | No
     return write, meta
 
 
-def test_a_floor_stored_with_the_own_tree_reaches_every_tree(tmp_path):
-    """``min_first`` stored in the own tree's entry applies to the tree of steps drafted alone at
-    T > 0 and to the union's merged steps too, whose entries here hold shapes only; an invalid
-    floor is refused at load time."""
-    model = tiny_model("llama", layers=5)
-    d = build_drafter(model, "eagle3", draft_vocab_size=32, max_depth=2, width=1, branch=1, max_nodes=2)
-    write, meta = _stored_with_every_tree(model, d, tmp_path / "d", {"max_nodes": 2, "min_first": 0.2})
-    head, member = write(meta)
-    assert head.cfg.min_first == head.sampled_cfg.min_first == member.merge_cfg.min_first == 0.2
-    assert (head.sampled_cfg.max_nodes, member.merge_cfg.max_nodes) == (3, 4)
-    next(iter(meta["extra"]["options_by_dtype"].values()))["min_first"] = 1.5
-    with pytest.raises(CheckpointError, match="min_first"):
-        write(meta)
-
-
-def test_the_familiarity_floor_sits_under_every_held_out_share_and_is_stored_for_every_tree(tmp_path):
-    """``familiarity_floor``: three quarters of the lowest held-out share, rounded down to 0.01 (no
-    held-out prompt falls under it); ``prompt_familiarity`` is the drafter's own read of each
-    prompt's prefill taps; a floor stored in the head's config reaches the union's merged-step
-    tree and the tree of sampled steps (``abstains`` reads the highest of them)."""
-    from selfspec.measurement.calibration import familiarity_floor, prompt_familiarity
-
-    assert familiarity_floor([0.30, 0.079, 0.5]) == pytest.approx(0.05)
-    assert familiarity_floor([0.08]) == pytest.approx(0.06) and familiarity_floor([]) == 0.0
-    assert all(familiarity_floor(v) < min(v) for v in ([0.01], [0.2, 0.9], [0.013]))
-    model = tiny_model("llama", layers=5)
-    d = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32, familiar_window=8))
-    prompts = [PROMPT[0], torch.tensor([4, 8, 15, 16, 23, 42, 7, 1, 2, 3, 5])]
-    got = prompt_familiarity(model, d, prompts)
-    for ids, read in zip(prompts, got):
-        assert read == d.read_familiarity(ids, TreeTarget(model, taps=d.taps).prefill(ids).taps, 8)
-    write, meta = _stored_with_every_tree(model, d, tmp_path / "d", {"max_nodes": 2}, {"min_familiar": 0.05})
-    head, member = write(meta)
-    assert head.cfg.min_familiar == head.sampled_cfg.min_familiar == member.merge_cfg.min_familiar == 0.05
-    assert member.cfg.familiar_window == 8
-
 
 def test_bad_options_are_refused():
     model = tiny_model("llama", layers=5)
@@ -756,10 +418,8 @@ def test_bad_options_are_refused():
         build_drafter(model, "eagle3", draft_vocab_size=16).with_options(draft_vocab_size=8)
     with pytest.raises(ValueError, match="head_weights"):
         build_drafter(model, "eagle3", head_weights="int4")
-    with pytest.raises(ValueError, match="min_familiar"):
-        build_drafter(model, "eagle3", min_familiar=1.0)
-    with pytest.raises(ValueError, match="familiar_window"):
-        build_drafter(model, "eagle3", familiar_window=4)
+    with pytest.raises(ValueError, match="max_depth"):
+        build_drafter(model, "eagle3", max_depth=0)
 
 
 def test_batched_loss_is_the_mean_of_per_example_losses(tmp_path):
@@ -1023,8 +683,8 @@ def test_eagle3_export_matches_an_independent_implementation(tmp_path):
     tensors = load_file(str(out / "model.safetensors"))
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["vocab_size"] == 64 and config["draft_vocab_size"] == 32 and config["norm_before_residual"] is False
-    assert config["eagle_aux_hidden_state_layer_ids"] == list(drafter.taps)
-    assert [k + 1 for k in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == list(drafter.taps)
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(drafter.requires.taps)
+    assert [k + 1 for k in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == list(drafter.requires.taps)
     assert not any(k.startswith("embed") for k in tensors)
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
 
@@ -1105,7 +765,7 @@ def test_bf16_divergences_are_rounding_near_ties_and_fp32_is_identical(kind):
         drafter = _bf16_drafter(model, kind)
         prompt = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(seed))
         plain = selfspec.generate(model, prompt, max_new_tokens=40, eos_token_id=[])
-        spec = selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=40, eos_token_id=[], adaptive=False)
+        spec = selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=40, eos_token_id=[], control=False)
         accepted += sum(spec.stats.accepted_per_depth)
         why = divergence(model, plain.sequences, spec.sequences, prompt.shape[1])
         if why is not None:
@@ -1115,7 +775,7 @@ def test_bf16_divergences_are_rounding_near_ties_and_fp32_is_identical(kind):
     model = tiny_model("llama", vocab=64, layers=4, dtype=torch.float32)
     drafter = _bf16_drafter(model, kind)
     plain = selfspec.generate(model, PROMPT, max_new_tokens=40, eos_token_id=[])
-    spec = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=40, eos_token_id=[], adaptive=False)
+    spec = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=40, eos_token_id=[], control=False)
     assert torch.equal(plain.sequences, spec.sequences) and sum(spec.stats.accepted_per_depth) > 0
 
 

@@ -43,7 +43,7 @@ def test_greedy_identity_every_drafter(family):
         assert torch.equal(out.sequences, reference), name
         assert out.stats.new_tokens == 40
     always = selfspec.generate(model, PROMPT, drafter=drafters(model, reference)["always_right"], max_new_tokens=40,
-                               adaptive=False)  # a plain first step would change the count
+                               control=False)  # a plain first step would change the count
     assert always.stats.mean_accepted_length == pytest.approx(40 / 7)  # 5 accepted + bonus per step
     never = selfspec.generate(model, PROMPT, drafter=drafters(model, reference)["never_right"], max_new_tokens=40)
     assert never.stats.mean_accepted_length == 1.0
@@ -104,8 +104,8 @@ def test_generation_stops_at_the_context_limit():
 def test_sampling_is_reproducible_with_seed_and_generator():
     model = tiny_model("qwen3", vocab=VOCAB)
     drafter = selfspec.build_drafter(model, "ngram", min_ngram=1)
-    # adaptive=False: the adaptive schedule depends on measured time, so it is exact in law only
-    kw = dict(drafter=drafter, max_new_tokens=25, temperature=0.9, top_p=0.95, adaptive=False)
+    # control=False: the adaptive schedule depends on measured time, so it is exact in law only
+    kw = dict(drafter=drafter, max_new_tokens=25, temperature=0.9, top_p=0.95, control=False)
     a = selfspec.generate(model, PROMPT, seed=7, **kw).sequences
     b = selfspec.generate(model, PROMPT, generator=torch.Generator().manual_seed(7), **kw).sequences
     c = selfspec.generate(model, PROMPT, seed=8, **kw).sequences

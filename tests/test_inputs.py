@@ -98,7 +98,7 @@ def test_stream_yields_the_generated_tokens_step_by_step_and_feeds_transformers_
     model = tiny_model("llama", vocab=64)
     prompt = torch.tensor([[3, 9, 27, 3, 9, 27, 3, 9, 5, 11]])
     ngram = selfspec.build_drafter(model, "ngram", min_ngram=1)
-    ref = selfspec.generate(model, prompt, drafter=ngram, max_new_tokens=30, adaptive=False)
+    ref = selfspec.generate(model, prompt, drafter=ngram, max_new_tokens=30, control=False)
 
     class Recorder:  # the transformers streamer protocol (BaseStreamer: put / end)
         def __init__(self):
@@ -111,7 +111,7 @@ def test_stream_yields_the_generated_tokens_step_by_step_and_feeds_transformers_
             self.ended = True
 
     rec = Recorder()
-    it = selfspec.stream(model, prompt, drafter=ngram, max_new_tokens=30, adaptive=False, streamer=rec)
+    it = selfspec.stream(model, prompt, drafter=ngram, max_new_tokens=30, control=False, streamer=rec)
     steps = list(it)
     assert sum(steps, []) == ref.sequences[0, prompt.shape[1]:].tolist()
     assert len(steps) == it.output.stats.steps and max(len(s) for s in steps) > 1  # several tokens per step
@@ -151,19 +151,26 @@ def test_load_target_never_downloads_unless_asked(monkeypatch):
         selfspec.load_target("selfspec-test-org/no-such-model", dtype="float32")
 
 
-def test_caller_kept_adaptive_policy_is_used_and_carries_over():
-    from selfspec.adaptive import AdaptiveConfig, AdaptivePolicy
+def test_a_caller_kept_controller_learns_across_calls_and_a_fresh_one_is_made_otherwise():
+    from selfspec.control import ControlConfig, Controller, CostModel
 
     model = tiny_model("llama", layers=2)
     drafter = selfspec.build_drafter(model, "ngram")
     ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
-    mine = AdaptivePolicy(AdaptiveConfig(probe=2))
+    mine = Controller(drafter, cost=CostModel.flat(0.01))
     ref = selfspec.generate(model, ids, max_new_tokens=12)
-    out = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=12, adaptive=mine)
+    out = selfspec.generate(model, ids, drafter=mine, max_new_tokens=12)
     assert torch.equal(ref.sequences, out.sequences)
-    assert mine.plain_s is not None and drafter.adaptive_policy is None  # the caller's state, not the drafter's
-    selfspec.generate(model, ids, drafter=drafter, max_new_tokens=4)
-    assert isinstance(drafter.adaptive_policy, AdaptivePolicy) and drafter.adaptive_policy is not mine
+    steps = sum(mine.arm_steps)
+    selfspec.generate(model, ids, drafter=mine, max_new_tokens=4)
+    assert sum(mine.arm_steps) > steps and mine.acceptance.counts  # it kept what it measured
+    assert torch.equal(selfspec.generate(model, ids, drafter=drafter, max_new_tokens=12).sequences, ref.sequences)
+    with pytest.raises(ValueError, match="control= only with drafters"):
+        selfspec.generate(model, ids, drafter=mine, control=ControlConfig())
+    with pytest.raises(ValueError, match="control must be"):
+        selfspec.generate(model, ids, drafter=drafter, control="fast")
+    with pytest.raises(ValueError, match="invalid control config"):
+        ControlConfig(decay=0.0)
 
 
 def test_bf16_on_a_cpu_without_native_bf16_warns(tmp_path, monkeypatch):

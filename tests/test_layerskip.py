@@ -19,7 +19,7 @@ from test_distribution import _stale_bonus, chi_square_ok, control_samples
 from tiny_models import FAMILIES, tiny_model
 
 PROMPT = torch.tensor([[3, 9, 27, 3, 9, 27, 3, 9, 5, 11]])
-TREE = dict(min_score=0.0, width=3, branch=2, max_depth=4, max_nodes=8)  # draft even when unsure
+TREE = dict(width=3, branch=2, max_depth=4)  # draft even when unsure
 MODES = {
     "shared": dict(exit_layer=2),  # KV handoff to the verify pass
     "own_cache": dict(exit_layer=2, kv_reuse=False),
@@ -41,8 +41,8 @@ def test_greedy_identity(family):
         out = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=40)
         assert torch.equal(out.sequences, reference), name
         assert out.stats.draft_nodes > 0, name  # drafts were really verified
-    assert build_drafter(model, "layerskip", **MODES["shared"]).shares_target_cache
-    assert not build_drafter(model, "layerskip", **MODES["subset"]).shares_target_cache
+    assert build_drafter(model, "layerskip", **MODES["shared"]).requires.target_cache
+    assert not build_drafter(model, "layerskip", **MODES["subset"]).requires.target_cache
 
 
 def test_a_deep_exit_is_mostly_accepted():
@@ -50,7 +50,7 @@ def test_a_deep_exit_is_mostly_accepted():
     the accepted length is well above 1 (the drafts are used, not just verified)."""
     model = tiny_model("llama", layers=4)
     drafter = build_drafter(model, "layerskip", exit_layer=3, **TREE)
-    out = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=40)
+    out = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=40, control=False)
     assert torch.equal(out.sequences, hf_greedy(model, 40))
     assert out.stats.mean_accepted_length > 2.0
 
@@ -85,12 +85,11 @@ def test_kv_reuse_gives_the_logits_of_a_full_verify_pass(family):
 
 
 def test_layerskip_in_a_union_at_temperature():
-    """A union merges point-mass trees only: its layer-skip member drafts top tokens, not samples."""
-    from selfspec.drafters import UnionDrafter
-
+    """Merged with prompt lookup at T > 0 (every step both): the layer-skip member keeps sampling
+    (the merge's anchor), prompt lookup's point masses are grafted on its tree."""
     model = tiny_model("llama", layers=4)
-    union = UnionDrafter([build_drafter(model, "layerskip", exit_layer=3, **TREE), build_drafter(model, "ngram")])
-    out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=20, temperature=0.8, seed=0, adaptive=False)
+    union = [build_drafter(model, "layerskip", exit_layer=3, **TREE), build_drafter(model, "ngram")]
+    out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=20, temperature=0.8, seed=0, control=False)
     assert out.stats.new_tokens == 20 and out.stats.draft_nodes > 0
 
 
@@ -127,7 +126,7 @@ def test_checkpoint_round_trip_and_foreign_targets(tmp_path):
         drafter.adapter.blocks[0].linear.weight.normal_(std=0.1)
     save_drafter(drafter, tmp_path / "ls")
     loaded = load_drafter(tmp_path / "ls", model)
-    assert loaded.cfg == drafter.cfg
+    assert loaded.config == drafter.config
     for a, b in zip(loaded.adapter.parameters(), drafter.adapter.parameters()):
         assert torch.equal(a, b)
     with pytest.raises(CheckpointError):
@@ -180,8 +179,8 @@ def _exact_law(model, cfg):
 
 
 def _sampling_drafter(model, kv_reuse=True):
-    return build_drafter(model, "layerskip", exit_layer=1, kv_reuse=kv_reuse, min_score=0.0, width=3, branch=2,
-                         max_depth=2, max_nodes=6)
+    return build_drafter(model, "layerskip", exit_layer=1, kv_reuse=kv_reuse, width=3, branch=2,
+                         max_depth=2)
 
 
 def _sampled_counts(model, cfg, drafter, n=SAMPLES):
@@ -190,7 +189,7 @@ def _sampled_counts(model, cfg, drafter, n=SAMPLES):
     for _ in range(n):
         out = selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=drafter, max_new_tokens=NEW,
                                 temperature=cfg.temperature, top_k=cfg.top_k, generator=gen, eos_token_id=[],
-                                adaptive=False)
+                                control=False)
         key = tuple(out.sequences[0, len(DIST_PROMPT):].tolist())
         counts[key] = counts.get(key, 0) + 1
         tested += sum(out.stats.tested_per_depth)
@@ -218,7 +217,7 @@ def test_own_cache_and_shared_cache_sample_the_same_tokens():
     """Same generator seed -> same trees, same verdicts: the KV handoff changes no number that
     the sampler reads (so the chi-square test above covers both modes)."""
     model = _peaked_model()
-    kw = dict(max_new_tokens=12, temperature=0.9, top_k=4, eos_token_id=[], adaptive=False)
+    kw = dict(max_new_tokens=12, temperature=0.9, top_k=4, eos_token_id=[], control=False)
     for seed in range(5):
         a = selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=_sampling_drafter(model, True), seed=seed, **kw)
         b = selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=_sampling_drafter(model, False), seed=seed, **kw)

@@ -20,7 +20,7 @@ from test_distribution import _stale_bonus, chi_square_ok, control_samples
 from test_layerskip import DIST_PROMPT, PROMPT, SAMPLES, _exact_law, _peaked_model, _sampled_counts
 from tiny_models import FAMILIES, tiny_model
 
-TREE = dict(min_score=0.0, width=3, branch=2, max_depth=4, max_nodes=8)
+TREE = dict(width=3, branch=2, max_depth=4)
 
 
 def _randomised(drafter, scale: float = 0.5, seed: int = 0):
@@ -48,7 +48,7 @@ def test_greedy_identity_and_an_untouched_target(family):
     reference = model.generate(PROMPT, max_new_tokens=40, do_sample=False, pad_token_id=0)
     out = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=40)
     assert torch.equal(out.sequences, reference)
-    assert out.stats.draft_nodes > 0 and not drafter.shares_target_cache
+    assert out.stats.draft_nodes > 0 and not drafter.requires.target_cache
     with torch.no_grad():
         after = model(PROMPT).logits
     assert torch.equal(before, after)  # the verify pass is the bare target, bit for bit
@@ -72,8 +72,8 @@ def test_sampled_children_keep_the_target_law(lossy, monkeypatch):
     if lossy:
         monkeypatch.setattr(verify_mod, "_verify_sampled", _stale_bonus)
     model, cfg = _peaked_model(), SamplingConfig(0.9, top_k=4)
-    drafter = _randomised(build_drafter(model, "layerskip_lora", exit_layer=1, rank=2, min_score=0.0, width=3,
-                                        branch=2, max_depth=2, max_nodes=6), scale=2.0)
+    drafter = _randomised(build_drafter(model, "layerskip_lora", exit_layer=1, rank=2, width=3,
+                                        branch=2, max_depth=2), scale=2.0)
     n = control_samples(SAMPLES) if lossy else SAMPLES
     ok, msg = chi_square_ok(_exact_law(model, cfg), _sampled_counts(model, cfg, drafter, n), n=n)
     assert ok != lossy, msg
@@ -96,11 +96,11 @@ def test_peft_folder_loads_with_peft_and_checkpoints_round_trip(tmp_path):
     # selfspec's own checkpoint
     save_drafter(drafter, tmp_path / "ckpt")
     again = load_drafter(tmp_path / "ckpt", model)
-    assert again.kind == "layerskip_lora" and again.lora_cfg.rank == 4
+    assert again.kind == "layerskip_lora" and again.config.rank == 4
     torch.testing.assert_close(_draft_logits(again, PROMPT), want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="cannot change"):
         drafter.with_options(rank=8)
-    assert drafter.with_options(max_depth=2).cfg.max_depth == 2
+    assert drafter.with_options(max_depth=2).policy.max_depth == 2
 
 
 def test_recipe_trains_resumes_and_exports(tmp_path):

@@ -72,7 +72,9 @@ def test_checkpoint_round_trip_gives_identical_proposals(tmp_path):
     h = torch.randn(32, dtype=torch.float64)
     torch.testing.assert_close(loaded.heads.logits(model, h), drafter.heads.logits(model, h), rtol=0, atol=0)
     assert loaded.template.paths == drafter.template.paths
-    assert loaded.checkpoint_meta["extra"]["note"] == "test"
+    from selfspec.checkpoint import read_checkpoint
+
+    assert read_checkpoint(tmp_path / "ckpt")[0]["extra"]["note"] == "test"
     a = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=20)
     b = selfspec.generate(model, PROMPT, drafter=loaded, max_new_tokens=20)
     assert torch.equal(a.sequences, b.sequences) and a.stats.steps == b.stats.steps
@@ -133,15 +135,10 @@ def test_drafter_specs(tmp_path, monkeypatch):
     assert drafters.drafter_from_spec(model, str(tmp_path / "tiny-medusa")).kind == "medusa"
     monkeypatch.setattr(drafters, "SHIPPED_CHECKPOINTS", tmp_path)
     assert drafters.drafter_from_spec(model, "medusa", "tiny").kind == "medusa"
-    # a union with its own options: union@key=value,...:a+b
-    union = drafters.drafter_from_spec(model, "union@explore_budget=0.02,explore_share=0:medusa:num_heads=2+ngram")
-    assert union.kind == "union" and [m.kind for m in union.members] == ["medusa", "ngram"]
-    assert (union.explore_budget, union.explore_share) == (0.02, 0.0)
-    assert drafters.drafter_from_spec(model, "medusa:num_heads=2+ngram").explore_share == 0.05  # the defaults
-    with pytest.raises(ValueError, match="unknown union options"):
-        drafters.drafter_from_spec(model, "union@explore=0.02:ngram+ngram")
-    with pytest.raises(ValueError, match="union@key=value"):
-        drafters.drafter_from_spec(model, "union@explore_budget=0.02")
+    union = drafters.drafter_from_spec(model, "medusa:num_heads=2+ngram")  # a union: a list for the controller
+    assert [m.kind for m in union] == ["medusa", "ngram"]
+    with pytest.raises(ValueError, match="unknown drafter kind 'union'"):
+        drafters.drafter_from_spec(model, "union:max_nodes=3")
 
 
 def test_union_of_heads_and_ngram_is_exact_and_merges_prefixes():
@@ -149,14 +146,15 @@ def test_union_of_heads_and_ngram_is_exact_and_merges_prefixes():
     reference = model.generate(PROMPT, max_new_tokens=30, do_sample=False, pad_token_id=0)
     heads = random_heads(selfspec.build_drafter(model, "medusa"))
     ngram = selfspec.build_drafter(model, "ngram", min_ngram=1)
-    union = selfspec.build_drafter(model, "union", members=[heads, ngram], max_nodes=12)
-    out = selfspec.generate(model, PROMPT, drafter=union, max_new_tokens=30)
-    assert torch.equal(out.sequences, reference)
+    for control in (None, False):
+        out = selfspec.generate(model, PROMPT, drafter=[heads, ngram], max_new_tokens=30, control=control)
+        assert torch.equal(out.sequences, reference)
+    from selfspec.control import ControlConfig, Controller, CostModel
     from selfspec.drafters.base import DraftContext
 
     ctx = DraftContext(PROMPT[0], None, 8, SamplingConfig(), torch.Generator())
-    union = selfspec.build_drafter(model, "union", members=[heads, ngram], max_nodes=12)  # nothing learnt yet
-    tree = union.propose(ctx)  # no hidden state yet: only the n-gram member drafts
+    union = Controller([heads, ngram], ControlConfig(fixed=True), cost=CostModel.flat())
+    tree = union.propose(ctx).tree  # no hidden state yet: only the n-gram member drafts
     assert tree.num_nodes == ngram.propose(ctx).num_nodes
     tokens = [tuple(tree.tokens[tree.path_to(i)].tolist()) for i in range(tree.num_nodes)]
     assert len(tokens) == len(set(tokens)), "shared prefixes must be merged"

@@ -127,7 +127,7 @@ def test_greedy_identity_through_packed_attention(family):
     use_packed_attention(model)
     drafter = OracleDrafter(reference[0].tolist(), VOCAB, depth=4,
                             corrupt=lambda pos, tok: tok if pos % 5 else (tok + 3) % VOCAB)
-    out = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=40, adaptive=False)
+    out = selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=40, control=False)
     assert torch.equal(out.sequences, reference)
     assert out.stats.mean_accepted_length > 2.0  # trees were verified, not plain steps
 

@@ -39,9 +39,9 @@ def _drafters(model):
 def _session(model, make, cache):
     """Two calls: a prompt, then the same prompt + the reply + a new user turn (an agent's next call)."""
     first = torch.tensor([SYSTEM + [7, 8, 9]])
-    out1 = selfspec.generate(model, first, drafter=make(), max_new_tokens=12, adaptive=False, prefix_cache=cache)
+    out1 = selfspec.generate(model, first, drafter=make(), max_new_tokens=12, control=False, prefix_cache=cache)
     second = torch.cat([out1.sequences, torch.tensor([[50, 51, 52, 7]])], 1)
-    out2 = selfspec.generate(model, second, drafter=make(), max_new_tokens=16, adaptive=False, prefix_cache=cache)
+    out2 = selfspec.generate(model, second, drafter=make(), max_new_tokens=16, control=False, prefix_cache=cache)
     return out1, out2
 
 
@@ -60,7 +60,7 @@ def test_warm_calls_equal_cold_calls(family):
         assert warm1.stats.prefix_reused == 0 and warm2.stats.prefix_reused == cold1.sequences.shape[1] - 1, name
         # a third call with the first prompt again reuses all but the last prompt token
         again = selfspec.generate(model, torch.tensor([SYSTEM + [7, 8, 9]]), drafter=make(), max_new_tokens=12,
-                                  adaptive=False, prefix_cache=cache)
+                                  control=False, prefix_cache=cache)
         assert torch.equal(again.sequences, cold1.sequences) and again.stats.prefix_reused == len(SYSTEM) + 1, name
 
 

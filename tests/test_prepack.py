@@ -98,7 +98,7 @@ def test_speculative_greedy_on_a_prepacked_target_leaves_plain_only_at_near_ties
                    else build_drafter(model, "medusa", num_heads=3))
         prompt = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(seed))
         plain = selfspec.generate(model, prompt, max_new_tokens=40, eos_token_id=[])
-        spec = selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=40, eos_token_id=[], adaptive=False)
+        spec = selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=40, eos_token_id=[], control=False)
         seen += spec.stats.steps < 40 or kind == "medusa"
         why = divergence(model, plain.sequences, spec.sequences, prompt.shape[1])
         if why is not None:

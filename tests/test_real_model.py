@@ -61,9 +61,8 @@ def test_tool_call_constraint_and_schema_drafts_on_the_real_model(smollm):
     call = json.loads(text)
     assert call["name"] == "get_weather" and set(call["arguments"]) == {"city", "unit"}
     for drafter in (selfspec.build_drafter(model, "tools", tokenizer=tok),
-                    selfspec.build_drafter(model, "union", members=[selfspec.build_drafter(model, "tools", tokenizer=tok),
-                                                                    selfspec.build_drafter(model, "ngram")])):
+                    [selfspec.build_drafter(model, "tools", tokenizer=tok), selfspec.build_drafter(model, "ngram")]):
         out = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=40, tools=tools,
-                                constraint=ToolCallConstraint(tools, tok), adaptive=False)
+                                constraint=ToolCallConstraint(tools, tok), control=False)
         assert torch.equal(out.sequences, plain.sequences)
         assert out.stats.mean_accepted_length > 2.0

@@ -91,7 +91,7 @@ def test_speculative_greedy_with_skinny_linears_leaves_plain_only_at_near_ties(k
     for seed in range(4):
         model, drafter, prompt, plain = _greedy_pair(kind, seed)
         assert len(set(plain.sequences[0, 12:].tolist())) > 5
-        spec = selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=40, eos_token_id=[], adaptive=False)
+        spec = selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=40, eos_token_id=[], control=False)
         multi_row += spec.stats.steps < 40
         why = divergence(model, plain.sequences, spec.sequences, prompt.shape[1])
         assert why is None or why.explained, f"seed {seed}: divergence at margin {why.margin} > rounding {why.rounding_gap}"
@@ -114,7 +114,7 @@ def test_negative_control_a_skinny_product_that_mixes_rows_is_caught(monkeypatch
     for seed in range(4):
         model, drafter, prompt, plain = _greedy_pair("medusa", seed)
         monkeypatch.setattr(SkinnyLinear, "forward", mixed)
-        spec = selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=40, eos_token_id=[], adaptive=False)
+        spec = selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=40, eos_token_id=[], control=False)
         monkeypatch.setattr(SkinnyLinear, "forward", inner)
         why = divergence(model, plain.sequences, spec.sequences, prompt.shape[1])
         caught += why is not None and not why.explained

@@ -94,7 +94,7 @@ def test_greedy_identity(family):
     reference = model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
     drafter = selfspec.build_drafter(model, "suffix")
     for _ in range(2):  # the second call also drafts from the first call's output
-        out = selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=40, adaptive=False)
+        out = selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=40, control=False)
         assert torch.equal(out.sequences, reference)
     assert out.stats.mean_accepted_length > 2.0
 
@@ -104,13 +104,13 @@ def test_past_outputs_are_remembered_within_a_token_budget():
     drafter = selfspec.build_drafter(model, "suffix", max_cached_tokens=100)
     prompts = [torch.tensor([[5, i, 7, 1 + i]]) for i in range(6)]
     for p in prompts:
-        selfspec.generate(model, p, drafter=drafter, max_new_tokens=30, adaptive=False)
+        selfspec.generate(model, p, drafter=drafter, max_new_tokens=30, control=False)
     assert drafter.cached_tokens <= 100 and len(drafter.outputs) == 3  # the oldest evicted
     nodes = sum(1 for _ in _walk(drafter.history))
-    assert nodes == drafter.history.num_nodes <= 100 * drafter.cfg.max_depth
-    again = selfspec.generate(model, prompts[-1], drafter=drafter, max_new_tokens=30, adaptive=False)
+    assert nodes == drafter.history.num_nodes <= 100 * drafter.config.max_depth
+    again = selfspec.generate(model, prompts[-1], drafter=drafter, max_new_tokens=30, control=False)
     cold = selfspec.generate(model, prompts[-1], drafter=selfspec.build_drafter(model, "suffix"), max_new_tokens=30,
-                             adaptive=False)
+                             control=False)
     assert torch.equal(again.sequences, cold.sequences)
     assert again.stats.mean_accepted_length > cold.stats.mean_accepted_length
 

@@ -79,21 +79,20 @@ def test_tracker_forces_what_the_schema_fixes(tokenizer):
 def test_drafter_proposes_the_forced_tokens_and_output_is_exact(tokenizer):
     model = tiny_model("llama", vocab=len(tokenizer), layers=2)
     drafter = selfspec.build_drafter(model, "tools", tokenizer=tokenizer, trim_last=False)
-    drafter.set_tools(TOOLS)
     prompt = tokenizer.encode("call it")
     out = tokenizer.encode('{"name": "get_weather", "arguments": {"city": "Paris"')
     ctx = DraftContext(torch.tensor(prompt + out), None, 8, SamplingConfig(0.0), torch.Generator(),
-                       prompt_len=len(prompt))
+                       prompt_len=len(prompt), tools=check_tools(TOOLS))
     tree = drafter.propose(ctx)
     assert tokenizer.decode(tree.tokens[1:].tolist()) == ', "unit": "'
     assert drafter.context_key(ctx) == 1
     plain_ctx = DraftContext(torch.tensor(prompt + tokenizer.encode("hello")), None, 8, SamplingConfig(0.0),
-                             torch.Generator(), prompt_len=len(prompt))
+                             torch.Generator(), prompt_len=len(prompt), tools=check_tools(TOOLS))
     assert drafter.propose(plain_ctx).num_nodes == 1 and drafter.context_key(plain_ctx) == 0
     # end to end (a random model writes no calls, so this checks wiring and identity only)
     ids = torch.tensor([prompt])
     ref = selfspec.generate(model, ids, max_new_tokens=20)
-    spec = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=20, tools=TOOLS, adaptive=False)
+    spec = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=20, tools=TOOLS, control=False)
     assert torch.equal(ref.sequences, spec.sequences)
     with pytest.raises(ValueError, match="no function name"):
         selfspec.generate(model, ids, drafter=drafter, max_new_tokens=2, tools=[{"description": "x"}])
@@ -167,15 +166,14 @@ def test_hermes_format_drafts_markers_and_constrained_output_is_exact(tokenizer)
     model = tiny_model("llama", vocab=len(tok), layers=2)
     drafter = selfspec.build_drafter(model, "tools", tokenizer=tok, trim_last=False)
     assert drafter.format.name == "hermes"
-    drafter.set_tools(TOOLS)
     prompt = tok.encode("call it")
     ctx = DraftContext(torch.tensor(prompt + tok.encode("<tool_call>")), None, 16, SamplingConfig(0.0),
-                       torch.Generator(), prompt_len=len(prompt))
+                       torch.Generator(), prompt_len=len(prompt), tools=check_tools(TOOLS))
     assert tok.decode(drafter.propose(ctx).tokens[1:].tolist()) == '\n{"name": "get_'
     # constrained: the output is a call in the model's markers, identical with and without drafts
     ids = torch.tensor([prompt])
     plain = selfspec.generate(model, ids, max_new_tokens=48, constraint=ToolCallConstraint(TOOLS, tok))
-    spec = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=48, tools=TOOLS, adaptive=False,
+    spec = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=48, tools=TOOLS, control=False,
                              constraint=ToolCallConstraint(TOOLS, tok))
     assert torch.equal(plain.sequences, spec.sequences)
     text = tok.decode(plain.sequences[0, len(prompt):].tolist())

@@ -144,7 +144,7 @@ def test_layerskip_training_lowers_loss_resumes_and_exports(tmp_path):
     resumed.export()
     assert after < 0.85 * before, (before, after)  # an untrained (identity) adapter scores before
     drafter = selfspec.load_drafter(tmp_path / "exported", model)
-    assert drafter.kind == "layerskip" and drafter.cfg.exit_layer == 2
+    assert drafter.kind == "layerskip" and drafter.config.exit_layer == 2
     for a, b in zip(drafter.adapter.parameters(), resumed.trainable.parameters()):
         torch.testing.assert_close(a, b)
     prompt = torch.tensor([[1, 2, 3, 4, 5, 6]])

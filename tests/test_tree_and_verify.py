@@ -84,12 +84,17 @@ def test_ngram_respects_budget_and_no_match():
 
 def test_ngram_grows_its_first_chain_while_accepted_whole_and_resets_on_a_miss():
     """``long_depth``: a step that accepts the whole of the first match's chain, drafted to its cap,
-    doubles the cap (8 -> 16 -> 32, the node budget growing with it), also when the tree was a
-    union's (compared token by token); a step that rejects part of it, or a new generation,
-    returns it to ``max_depth``; a chain accepted whole short of its cap (the continuation ran out,
-    or the step had room for fewer tokens) neither grows nor lowers it; a union's merged step drafts
-    to ``max_depth`` and leaves the cap as it is. Equal to ``max_depth`` the depth is fixed."""
+    doubles the cap (8 -> 16 -> 32, the node budget growing with it), compared token by token with
+    what the step committed; a step that rejects part of it, or a new generation, returns it to
+    ``max_depth``; a chain accepted whole short of its cap (the continuation ran out, or the step
+    had room for fewer tokens) neither grows nor lowers it; a step whose tree was not its own
+    leaves the cap as it is. Equal to ``max_depth`` the depth is fixed."""
+    from selfspec.drafters.base import Step
     from selfspec.verify import Verdict
+
+    def observe(drafter, tree, verdict):
+        tokens = tree.tokens[verdict.path[1:]].tolist() + [verdict.next_token]
+        drafter.observe(Step(tokens, tree, verdict, proposed=True))
 
     cycle = list(range(10, 50))  # a 40-token cycle: every suffix matches one period earlier
     context = cycle * 3
@@ -108,7 +113,7 @@ def test_ngram_grows_its_first_chain_while_accepted_whole_and_resets_on_a_miss()
         while tree.children[first[-1]]:
             first.append(tree.children[first[-1]][0])
         path = first if accept is None else first[: accept + 1]
-        drafter.observe(None, tree, Verdict(path, 0, accept is None))
+        observe(drafter, tree, Verdict(path, 0, accept is None))
         return chain(tree)
 
     drafter = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=8, max_nodes=12, long_depth=32))
@@ -122,15 +127,14 @@ def test_ngram_grows_its_first_chain_while_accepted_whole_and_resets_on_a_miss()
     context = cycle * 3
     assert len(step(drafter)) == 16
     short = drafter.propose(_ctx(context, max_depth=6))  # a step with room for 6, accepted whole
-    drafter.observe(None, short, Verdict(list(range(7)), 0, True))
+    observe(drafter, short, Verdict(list(range(7)), 0, True))
     assert len(step(drafter)) == 32  # neither grew from nor lowered to the room's 6: 16 -> 32 above
-    merged = DraftContext(torch.tensor(context), None, 64, SamplingConfig(), torch.Generator(), merged=True)
-    tree = drafter.propose(merged)  # in a union's merged step: max_depth, and the cap is not judged
-    drafter.observe(None, tree, Verdict([0, 1], 0, False))
-    assert len(chain(tree)) == 8 and len(step(drafter)) == 32
+    tree = drafter.propose(_ctx(context, max_depth=64))  # a step whose tree another drafter's run verified:
+    drafter.observe(Step([1, 2], tree, Verdict([0], 1, False), proposed=False))  # not judged
+    assert len(step(drafter)) == 32
     drafter.reset()
     short = drafter.propose(_ctx(context, max_depth=6))  # at cap 8, room for 6, accepted whole:
-    drafter.observe(None, short, Verdict(list(range(7)), 0, True))
+    observe(drafter, short, Verdict(list(range(7)), 0, True))
     assert len(step(drafter)) == 8  # not grown from the room's 6 to 12
     fixed = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=8, max_nodes=12, long_depth=8))
     assert [len(step(fixed)) for _ in range(3)] == [8, 8, 8]
@@ -169,24 +173,15 @@ def test_ngram_search_finds_every_earlier_occurrence_once_per_context():
     assert drafter.context_key(ctx) == 1 and calls[-1] is True
 
 
-def test_ngram_key_tells_a_copy_from_a_chance_match():
-    """Prompt lookup's context key: the longest matched suffix ``n``; a ``max_ngram`` match that
-    runs on for 2x / 4x ``max_ngram`` tokens (text being copied) is ``max_ngram + 1`` / ``+ 2``,
-    counted over every earlier occurrence (not only the latest), capped at the longest; with
-    ``copy_keys=False`` it stays ``max_ngram``."""
-    text = list(range(10, 40))  # 30 distinct tokens, then copied
+def test_ngram_key_is_the_longest_matched_suffix():
+    """Prompt lookup's context key: the longest suffix ``n`` that occurs earlier (0: none, an
+    empty draft), whatever runs on beyond it."""
+    text = list(range(10, 40))
     key = lambda tokens, **kw: NgramDrafter(NgramConfig(**kw)).context_key(_ctx(tokens))  # noqa: E731
-    assert key(text + [1, 2] + text[:3]) == 3  # 3 tokens copied: a 3-gram (max_ngram 4)
-    assert key(text + [1, 2] + text[:4]) == 4  # 4: a 4-gram, no run beyond it
-    assert key(text + [1, 2] + text[:7]) == 4 and key(text + [1, 2] + text[:8]) == 5  # 8 copied: a copy
-    assert key(text + [1, 2] + text[:15]) == 5 and key(text + [1, 2] + text[:16]) == 6
-    assert key(text + [1, 2] + text[:25]) == 6  # (capped)
-    assert key(text + [1, 2] + text[:16], copy_keys=False) == 4
-    assert key(text + [1, 2] + text[:8], max_ngram=2, min_ngram=1) == 4  # 2 x 4 = 8 copied: max_ngram + 2
-    # the longest run counts, wherever it is: a later chance 4-gram does not hide an earlier copy
-    chance = [0] + text[5:9]  # the suffix's 4-gram again, after another token: the latest occurrence
-    assert key(text + [1, 2] + chance + [5] + text[:9]) == 5
-    assert key(text + [1, 2] + [0] + text[5:9] + [5] + text[5:9]) == 4  # two 4-token matches, none longer
+    assert key(text) == 0
+    assert key(text + [1, 2] + text[:3]) == 3 and key(text + [1, 2] + text[:4]) == 4
+    assert key(text + [1, 2] + text[:16]) == 4  # a long copy is still a max_ngram match
+    assert key(text + [1, 2] + text[:8], max_ngram=2, min_ngram=1) == 2
 
 
 def test_greedy_verdict_accepts_deepest_matching_path():

@@ -53,7 +53,7 @@ class ControlConfig:
     """
 
     decay: float = 0.99
-    prior_weight: float = 4.0
+    prior_weight: float = 2.0
     max_nodes: int = 64
     seed: int = 0
     fixed: bool = False
@@ -92,6 +92,7 @@ class Controller:
         self.arm_steps = [0] * len(self.arms)
         self.trace: list[dict] | None = None  # set to [] to record one dict per step
         self._pending: dict | None = None
+        self._draws: dict = {}
 
     # ------------------------------------------------------------------ lifecycle
     def check_target(self, model) -> None:
@@ -140,12 +141,8 @@ class Controller:
         if self.config.fixed:
             return len(self.arms) - 1, state, None, None
         bucket = temperature_bucket(ctx.sampling.temperature)
-        draws: dict = {}
-
-        def rate(cell):
-            if cell not in draws:
-                draws[cell] = self.acceptance.draw(cell, self.rng)
-            return draws[cell]
+        self._draws = draws = {}
+        rate = self._drawn_rate
 
         best, best_score, budget, cap = 0, 1.0 / self.cost.verify(1), None, None
         for a in range(len(self.arms) - 1, 0, -1):  # the merge first: it measures every member
@@ -157,6 +154,12 @@ class Controller:
             if score > best_score:
                 best, best_score, budget, cap = a, score, nodes + 1, depth + 1
         return best, state, budget, cap
+
+    def _drawn_rate(self, cell) -> float:
+        """This step's Thompson draw of ``cell``'s acceptance (drawn once per step)."""
+        if cell not in self._draws:
+            self._draws[cell] = self.acceptance.draw(cell, self.rng)
+        return self._draws[cell]
 
     def _score(self, arm: tuple[int, ...], shape, rate, ctx: DraftContext) -> tuple[float, int, int]:
         """``(tokens per second, draft nodes, depth)`` of ``arm``'s tree ``shape`` sized with the
@@ -211,8 +214,8 @@ class Controller:
             drafted = tree.num_nodes
             if len(parts) > 1:
                 self.shapes[(arm, state)] = (tree, sources)
-            if handoff is None and not self.config.fixed:
-                values = node_values(tree, sources, self.acceptance.mean)
+            if handoff is None and not self.config.fixed:  # cut by this step's draws: nodes the
+                values = node_values(tree, sources, self._drawn_rate)  # means would cut get tested too
                 keep, _ = size_tree(tree, values, self.cost.verify, spent, self.config.max_nodes, cut_sampled=False)
                 tree, sources = subtree(tree, keep), [sources[i] for i in keep]
         self.arm_steps[a] += 1

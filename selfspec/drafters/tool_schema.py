@@ -67,7 +67,7 @@ class ToolCallDrafter(Drafter):
 
     def _use_tools(self, tools) -> None:
         """Track calls of ``tools`` (the caller's, already checked; ``None``: draft nothing)."""
-        if tools is not self.tools:
+        if tools != self.tools:
             self.tools = tools or None
             self.tracker = ToolCallTracker(self.tools, self.ll_tokenizer, self.format) if self.tools else None
 

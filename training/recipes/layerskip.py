@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 import torch
 
+from selfspec.drafters.layerskip import LayerSkipPolicy
 from selfspec.lm_head import lm_logits
 
 from ..features import FeatureCache
@@ -38,7 +39,7 @@ class LayerSkipRecipe(CachedFeatureRecipe):
     def eval_extras(self, acc: list[list[float]]) -> dict:
         """A greedy chain of ``max_depth`` with independent acceptance ``acc[0][0]`` per token."""
         a = acc[0][0]
-        return {"eval/expected_mat_chain": sum(a ** d for d in range(self.cfg.layerskip.max_depth + 1))}
+        return {"eval/expected_mat_chain": sum(a ** d for d in range(LayerSkipPolicy().max_depth + 1))}
 
 
 #: what the registry entry of this kind points to (selfspec.drafters.register(..., recipe=...))

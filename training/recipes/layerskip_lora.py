@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import selfspec
+from selfspec.drafters.layerskip import LayerSkipPolicy
 from selfspec.drafters.lora_skip import LoraSkipConfig
 from selfspec.lm_head import lm_logits
 
@@ -135,7 +136,7 @@ class LoraSkipRecipe(TrainingRun):
         self.trainable.train()
         top1 = agree / max(1, n)
         return {"eval/kl": kl / max(1, n), "eval/top1": top1,
-                "eval/expected_mat_chain": sum(top1 ** d for d in range(self.cfg.lora.max_depth + 1))}
+                "eval/expected_mat_chain": sum(top1 ** d for d in range(LayerSkipPolicy().max_depth + 1))}
 
     def load_weights(self, drafter) -> None:
         from peft import set_peft_model_state_dict
