@@ -5,7 +5,7 @@
 
 Then serve (GPU machines with vLLM / SGLang; the commands are in the README):
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "exports/eagle3", "num_speculative_tokens": 5}'
-    python -m sglang.launch_server --model TARGET --speculative-algorithm EAGLE3 --speculative-draft-model-path exports/eagle3
+    python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 --speculative-draft-model-path exports/eagle3
 """
 
 from __future__ import annotations

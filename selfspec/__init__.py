@@ -6,6 +6,7 @@ Public API::
     drafter = selfspec.build_drafter(model, "ngram")
     out = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=128)
     out.sequences, out.stats.mean_accepted_length
+    controller = selfspec.Controller([eagle3, ngram])      # keeps what it measures across calls
     for tokens in selfspec.stream(model, ids, drafter=drafter):   # each step's verified tokens
         ...
 """
@@ -24,6 +25,7 @@ def _check_transformers() -> None:
 MIN_TRANSFORMERS = (5, 24)
 _check_transformers()
 
+from .control import ControlConfig, Controller
 from .drafters import DraftContext, Drafter, TargetSignature, build_drafter, load_drafter, register, save_drafter
 from .engine import SpecOutput, SpecStream, generate, stream
 from .loading import DEFAULT_TARGET, load_target
@@ -34,7 +36,7 @@ from .tree import DraftTree, Law, TreeBuilder, TreeTemplate
 from .verify import Verdict, verify_tree
 
 __all__ = [
-    "DEFAULT_TARGET", "DraftContext", "DraftTree", "Drafter", "Law", "PrefixCache", "SamplingConfig", "SpecOutput",
+    "ControlConfig", "Controller", "DEFAULT_TARGET", "DraftContext", "DraftTree", "Drafter", "Law", "PrefixCache", "SamplingConfig", "SpecOutput",
     "SpecStats", "SpecStream", "TargetSignature", "TreeBuilder", "TreeTemplate", "Verdict", "build_drafter",
     "generate", "load_drafter", "load_target", "register", "save_drafter", "stream", "verify_tree",
 ]

@@ -61,10 +61,14 @@ def export_drafter(drafter, out_dir: str | os.PathLike, fmt: str, *, dtype: torc
             raise ExportError(f"{out} holds a selfspec drafter checkpoint; refusing to overwrite it with an export")
         if not overwrite:
             raise ExportError(f"{out} is not empty; pass overwrite=True (--overwrite) to replace it")
-    if fmt == "eagle3":
-        config, tensors = eagle3_layout(drafter, dtype)
-    else:
-        config, tensors = medusa_layout(drafter, dtype)
+    from .drafters.registry import kind_entry, resolve
+
+    entry = kind_entry(drafter.kind)
+    if entry.exporter is None or entry.export_format != fmt:
+        raise ExportError(f"--format {fmt} exports {fmt} drafters, not {drafter.kind!r}"
+                          + (f" (a {drafter.kind} drafter exports as --format {entry.export_format})"
+                             if entry.export_format else ""))
+    config, tensors = resolve(entry.exporter)(drafter, dtype)
     if target_path:
         config["_selfspec_target"] = target_path
     with atomic_dir(out) as tmp:

@@ -1,13 +1,15 @@
 """Run a chosen subset of an unmodified transformers decoder's layers.
 
 Layer-skip drafting runs the target's first E layers (or any subset), and a verify pass that
-reuses the drafter's work runs only layers E..L-1. Both go through the model's own ``forward``:
-for one call, :class:`LayerSlice` swaps the decoder's ``layers`` ModuleList for the subset (each
-layer keeps its ``layer_idx``, so it reads and writes its own KV-cache slot), narrows
-``config.layer_types`` to match (the decoders index it by loop position), and optionally replaces
-the final norm by the identity; everything is restored before returning. This is the mechanism
-transformers' own ``assistant_early_exit`` relies on (its decoders loop over
-``self.layers[: config.num_hidden_layers]``); no modeling code is copied.
+reuses the drafter's work runs only layers E..L-1. Both go through the decoder's own ``forward``,
+on a *view* of the decoder: a shallow copy of the decoder module whose ``layers`` ModuleList is
+the subset (each layer keeps its ``layer_idx``, so it reads and writes its own KV-cache slot),
+whose ``config`` is a copy with ``layer_types`` narrowed to match (the decoders index it by loop
+position), and whose final norm is optionally the identity. The view shares every parameter and
+submodule with the target but none of the target's own attributes change, so a forward of the
+target running at the same time (another thread) is unaffected. Transformers' own
+``assistant_early_exit`` relies on the same property (its decoders loop over ``self.layers``); no
+modeling code is copied.
 
 Invariant: ``LayerSlice(model, range(0, E), final_norm=False)`` followed by
 ``LayerSlice(model, range(E, L))`` fed the first slice's output as ``inputs_embeds`` computes the
@@ -17,8 +19,8 @@ reuse layer outputs only when it holds.
 
 from __future__ import annotations
 
+import copy
 import weakref
-from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -53,31 +55,29 @@ class LayerSlice:
         types = getattr(self.decoder.config, "layer_types", None)
         self.layer_types = None if types is None else [types[i] for i in self.indices]
         self.final_norm = final_norm
-
-    @contextmanager
-    def _swapped(self):
-        dec, cfg = self.decoder, self.decoder.config
-        saved = dec.layers, getattr(cfg, "layer_types", None), dec.norm
-        try:
-            dec.layers = self.layers
-            if self.layer_types is not None:
-                cfg.layer_types = self.layer_types
-            if not self.final_norm:
-                dec.norm = nn.Identity()
-            yield dec
-        finally:
-            dec.layers, dec.norm = saved[0], saved[2]
-            if self.layer_types is not None:
-                cfg.layer_types = saved[1]
+        self.view = decoder_view(self.decoder, self.layers, self.layer_types, final_norm)
 
     def __call__(self, *, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
                  cache=None) -> torch.Tensor:
         """``[1, m]`` ids or ``[1, m, H]`` embeddings -> ``[1, m, H]`` hidden states after the slice
         (through the final norm when ``final_norm``)."""
-        with self._swapped() as dec:
-            out = dec(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                      position_ids=position_ids, cache=cache, use_cache=cache is not None)
+        out = self.view(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                        position_ids=position_ids, cache=cache, use_cache=cache is not None)
         return out.last_hidden_state
+
+
+def decoder_view(decoder: nn.Module, layers: nn.ModuleList, layer_types, final_norm: bool) -> nn.Module:
+    """A shallow copy of ``decoder`` running ``layers`` (sharing every parameter and submodule; the
+    decoder itself is not modified)."""
+    view = copy.copy(decoder)
+    view._modules = dict(decoder._modules)  # (copy.copy shares the dict: setting a module would reach the target)
+    view._modules["layers"] = layers
+    if not final_norm:
+        view._modules["norm"] = nn.Identity()
+    view.config = copy.copy(decoder.config)
+    if layer_types is not None:
+        view.config.layer_types = list(layer_types)
+    return view
 
 
 @torch.no_grad()

@@ -410,7 +410,7 @@ def test_prompt_lookup_with_grown_chains_keeps_the_law(lossy, monkeypatch):
     while len(prompt) < 40:
         prompt.append(int(table[prompt[-2], prompt[-1]].argmax()))
     cfg = SETTINGS["T0.7-topk3"]
-    drafter = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=1, max_nodes=4, long_depth=4))
+    drafter = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=1, long_depth=4))
     depths = []
     propose = drafter.propose
 

@@ -214,3 +214,65 @@ def test_auto_dtype_weighs_a_plain_step_and_a_tree_pass(monkeypatch, costs, want
     monkeypatch.setattr(loading, "_decode_step_seconds",
                         lambda dtype, device, reps=20, rows=1: costs[str(dtype).removeprefix("torch."), rows])
     assert loading.resolve_dtype("auto") == (torch.bfloat16 if want else torch.float32)
+
+
+def test_a_drafter_refuses_a_model_object_other_than_its_own():
+    """A drafter that reads the target's modules (its embeddings, layers) refuses another model
+    object of the same shape: it would draft from the first model's weights and write their KV."""
+    model, twin = tiny_model("llama", layers=3, seed=0), tiny_model("llama", layers=3, seed=0)
+    for kind, opts in (("layerskip", dict(exit_layer=1)), ("eagle3", dict(draft_vocab_size=16)), ("medusa", {})):
+        drafter = selfspec.build_drafter(model, kind, **opts)
+        with pytest.raises(ValueError, match="another model object"):
+            selfspec.generate(twin, torch.tensor([[1, 2, 3]]), drafter=drafter, max_new_tokens=4)
+    lookup = selfspec.build_drafter(model, "ngram")  # reads token ids only: any model of the same shape
+    selfspec.generate(twin, torch.tensor([[1, 2, 3]]), drafter=lookup, max_new_tokens=4)
+
+
+def test_closing_or_dropping_a_stream_stops_its_worker():
+    import gc
+    import threading
+
+    model = tiny_model("llama", layers=2)
+    ngram = selfspec.build_drafter(model, "ngram", min_ngram=1)
+    prompt = torch.tensor([[3, 9, 27, 3, 9, 27, 3, 9, 5, 11]])
+    it = selfspec.stream(model, prompt, drafter=ngram, max_new_tokens=200, control=False)
+    next(it)
+    it.close()
+    assert not it._thread.is_alive() and it.output is None
+    with selfspec.stream(model, prompt, drafter=ngram, max_new_tokens=200, control=False) as it2:
+        next(it2)
+    assert not it2._thread.is_alive()
+    it3 = selfspec.stream(model, prompt, drafter=ngram, max_new_tokens=200, control=False)
+    next(it3)
+    worker = it3._thread
+    del it3
+    gc.collect()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and threading.active_count() < 50
+    out = selfspec.generate(model, prompt, drafter=ngram, max_new_tokens=20, control=False)  # the lock is free
+    assert out.stats.new_tokens == 20
+
+
+def test_two_threads_on_one_model_give_the_outputs_of_sequential_runs():
+    import threading
+
+    model = tiny_model("gemma3", layers=4)
+    prompts = [torch.tensor([[3, 9, 27, 3, 9, 27, 3, 9, 5, 11]]), torch.tensor([[7, 1, 7, 2, 7, 1, 7]])]
+
+    def drafters():
+        return [selfspec.build_drafter(model, "layerskip", exit_layer=2), selfspec.build_drafter(model, "ngram")]
+
+    want = [selfspec.generate(model, p, drafter=drafters()[i], max_new_tokens=24).sequences
+            for i, p in enumerate(prompts)]
+    got = [None, None]
+
+    def run(i):
+        for _ in range(3):
+            got[i] = selfspec.generate(model, prompts[i], drafter=drafters()[i], max_new_tokens=24).sequences
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

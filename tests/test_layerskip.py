@@ -222,3 +222,32 @@ def test_own_cache_and_shared_cache_sample_the_same_tokens():
         a = selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=_sampling_drafter(model, True), seed=seed, **kw)
         b = selfspec.generate(model, torch.tensor(DIST_PROMPT), drafter=_sampling_drafter(model, False), seed=seed, **kw)
         assert torch.equal(a.sequences, b.sequences) and a.stats.steps == b.stats.steps
+
+
+def test_drafting_leaves_a_concurrent_forward_of_the_target_unchanged():
+    """The drafter runs a view of the decoder (shared parameters, its own layer list and config):
+    a forward of the target in another thread while it drafts sees the whole, unmodified model.
+    (Swapping the shared decoder's layers during a draft, as before, gave that forward a 2-layer
+    model.)"""
+    import threading
+
+    model = tiny_model("gemma3", layers=4)
+    ref = model(PROMPT).logits
+    drafter = build_drafter(model, "layerskip", exit_layer=2, kv_reuse=False, **TREE)
+    done, bad = threading.Event(), []
+
+    def forward_loop():
+        while not done.is_set():
+            if not torch.equal(model(PROMPT).logits, ref):
+                bad.append(True)
+
+    t = threading.Thread(target=forward_loop)
+    t.start()
+    try:
+        for _ in range(5):
+            selfspec.generate(model, PROMPT, drafter=drafter, max_new_tokens=16, control=False)
+    finally:
+        done.set()
+        t.join()
+    assert not bad
+    assert len(model.model.layers) == 4 and drafter.body.view.layers is not model.model.layers

@@ -17,7 +17,7 @@ from selfspec.lm_head import lm_logits
 from selfspec.sampling import SamplingConfig
 import selfspec.verify as verify_mod
 from test_distribution import _stale_bonus, chi_square_ok, control_samples
-from test_layerskip import DIST_PROMPT, PROMPT, SAMPLES, _exact_law, _peaked_model, _sampled_counts
+from test_layerskip import PROMPT, SAMPLES, _exact_law, _peaked_model, _sampled_counts
 from tiny_models import FAMILIES, tiny_model
 
 TREE = dict(width=3, branch=2, max_depth=4)

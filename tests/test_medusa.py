@@ -127,7 +127,7 @@ def test_drafter_specs(tmp_path, monkeypatch):
 
     model = tiny_model("llama", vocab=VOCAB)
     assert drafters.drafter_from_spec(model, "none") is None
-    assert drafters.drafter_from_spec(model, "ngram:max_nodes=5").config.max_nodes == 5
+    assert drafters.drafter_from_spec(model, "ngram:max_depth=5").config.max_depth == 5
     assert drafters.drafter_from_spec(model, "medusa:num_heads=2").heads.cfg.num_heads == 2
     with pytest.raises(ValueError, match="no medusa checkpoint is shipped"):
         drafters.drafter_from_spec(model, "medusa", "tiny")

@@ -12,7 +12,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-import selfspec.attention as attention
 from selfspec.attention import NAME, packed_sdpa_attention, use_packed_attention
 import selfspec
 from selfspec.sampling import SamplingConfig

@@ -64,7 +64,7 @@ def _ctx(tokens, max_depth=8):
 
 
 def test_ngram_drafts_continuations_as_a_trie():
-    drafter = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=3, max_nodes=10))
+    drafter = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=3))
     # "7 8" occurs twice before the end, followed by 1 2 3 and by 1 4 5: one trie with a fork at depth 2
     tree = drafter.propose(_ctx([7, 8, 1, 4, 5, 7, 8, 1, 2, 3, 0, 7, 8]))
     assert tree.tokens[0] == 8
@@ -74,10 +74,10 @@ def test_ngram_drafts_continuations_as_a_trie():
     assert drafter.propose(_ctx([7, 8, 1, 2], max_depth=0)).num_nodes == 1
 
 
-def test_ngram_respects_budget_and_no_match():
-    drafter = NgramDrafter(NgramConfig(max_ngram=1, min_ngram=1, max_depth=8, max_nodes=4, max_matches=8))
-    tree = drafter.propose(_ctx([1, 2, 3, 1, 4, 5, 1, 6, 7, 1]))
-    assert tree.num_nodes - 1 == 4
+def test_ngram_merges_at_most_four_matches_and_drafts_nothing_without_one():
+    drafter = NgramDrafter(NgramConfig(max_ngram=1, min_ngram=1, max_depth=1))
+    tree = drafter.propose(_ctx([1, 2, 1, 3, 1, 4, 1, 5, 1, 6, 1]))  # five earlier "1"s: the four latest
+    assert sorted(tree.tokens[1:].tolist()) == [3, 4, 5, 6]
     assert drafter.propose(_ctx([1, 2, 3, 4])).num_nodes == 1
 
 
@@ -116,7 +116,7 @@ def test_ngram_grows_its_first_chain_while_accepted_whole_and_resets_on_a_miss()
         observe(drafter, tree, Verdict(path, 0, accept is None))
         return chain(tree)
 
-    drafter = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=8, max_nodes=12, long_depth=32))
+    drafter = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=8, long_depth=32))
     assert [len(step(drafter)) for _ in range(4)] == [8, 16, 32, 32]
     assert step(drafter, accept=5)[:5] == cycle[:5]  # drafted 32 deep, five accepted: back to 8
     assert len(step(drafter)) == 8 and len(step(drafter)) == 16
@@ -136,7 +136,7 @@ def test_ngram_grows_its_first_chain_while_accepted_whole_and_resets_on_a_miss()
     short = drafter.propose(_ctx(context, max_depth=6))  # at cap 8, room for 6, accepted whole:
     observe(drafter, short, Verdict(list(range(7)), 0, True))
     assert len(step(drafter)) == 8  # not grown from the room's 6 to 12
-    fixed = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=8, max_nodes=12, long_depth=8))
+    fixed = NgramDrafter(NgramConfig(max_ngram=2, min_ngram=1, max_depth=8, long_depth=8))
     assert [len(step(fixed)) for _ in range(3)] == [8, 8, 8]
     with pytest.raises(ValueError, match="long_depth"):
         NgramConfig(max_depth=8, long_depth=4)

@@ -141,7 +141,7 @@ class Controller:
         if self.config.fixed:
             return len(self.arms) - 1, state, None, None
         bucket = temperature_bucket(ctx.sampling.temperature)
-        self._draws = draws = {}
+        self._draws = {}
         rate = self._drawn_rate
 
         best, best_score, budget, cap = 0, 1.0 / self.cost.verify(1), None, None
@@ -164,24 +164,23 @@ class Controller:
     def _score(self, arm: tuple[int, ...], shape, rate, ctx: DraftContext) -> tuple[float, int, int]:
         """``(tokens per second, draft nodes, depth)`` of ``arm``'s tree ``shape`` sized with the
         acceptance ``rate`` per cell, at the depth that pays best (each level costs each member
-        one drafting call)."""
+        one drafting call). A member's catch-up over the steps it did not draft is not charged:
+        it is owed whenever the member drafts again, and charging it to one step made a member
+        look the worse the longer it had been left out, so it was never tried again."""
         tree, sources = shape
-        behind = [max(0, self._behind(m, ctx) - round(self.usual)) for m in arm]
         per_level = sum(self.cost.draft(m) for m in arm)
-        catch_up = sum(self.cost.draft(m, b, 0) for m, b in zip(arm, behind))
         values = node_values(tree, sources, rate)
-        kept, _ = size_tree(tree, values, self.cost.verify, catch_up + per_level * max(1, tree.depth),
-                            self.config.max_nodes)
+        kept, _ = size_tree(tree, values, self.cost.verify, per_level * max(1, tree.depth), self.config.max_nodes)
         depths = tree.depths.tolist()
         gain = [0.0] * (tree.depth + 1)
         count = [0] * (tree.depth + 1)
         for i in kept[1:]:
             gain[depths[i]] += values[i]
             count[depths[i]] += 1
-        best, tokens, n = (1.0 / (catch_up + self.cost.verify(1)), 0, 0), 1.0, 0
+        best, tokens, n = (1.0 / self.cost.verify(1), 0, 0), 1.0, 0
         for d in range(1, tree.depth + 1):
             tokens, n = tokens + gain[d], n + count[d]
-            r = tokens / (catch_up + per_level * d + self.cost.verify(n + 1))
+            r = tokens / (per_level * d + self.cost.verify(n + 1))
             if r > best[0]:
                 best = (r, n, d)
         return best

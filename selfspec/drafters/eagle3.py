@@ -29,7 +29,7 @@ from .registry import register
 from .eagle3_head import Eagle3Head, default_taps, draft_layer_config
 from .expander import TreePolicy, expand
 
-HEAD_WEIGHTS = ("native", "int8")
+HEAD_WEIGHTS = ("auto", "native", "int8")
 _INT8_COPIES: "weakref.WeakKeyDictionary[Eagle3Head, tuple]" = weakref.WeakKeyDictionary()  # head -> (key, copy)
 
 
@@ -59,9 +59,11 @@ class Eagle3Config:
 class Eagle3Policy(TreePolicy):
     """How the head drafts: the tree policy, and ``head_weights``: ``"native"`` drafts with the
     head's weights as they are; ``"int8"`` with an int8 weight-only copy of its linear layers
-    (:mod:`selfspec.int8_linear`: half the bytes a draft call reads; drafts only)."""
+    (:mod:`selfspec.int8_linear`: half the bytes a draft call reads; drafts only); ``"auto"``:
+    int8 where the head runs in bf16 on a CPU whose int8 kernel passes its check, else native (a
+    draft step 14.9 ms against 20.1 with the unpacked bf16 head, ``docs/results/r15_head_kernels.md``)."""
 
-    head_weights: str = "native"
+    head_weights: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -86,16 +88,21 @@ class Eagle3Drafter(Drafter):
         self.acceptance = acceptance  # measured acceptance (the checkpoint's), the controller's prior
         self.embed = model.get_input_embeddings()
         self._draft_ids = head.draft_ids if head.draft_ids.is_meta else head.draft_ids.to("cpu")
-        if self.policy.head_weights != "native" and not head.fc.weight.is_meta:
-            self.run_head  # built now, at load time, not inside the first timed generation
+        if not head.fc.weight.is_meta:
+            self.run_head  # an int8 copy is built now, at load time, not inside the first timed generation
         self.reset()
 
     @property
     def run_head(self) -> Eagle3Head:
         """The head drafting runs: :attr:`head` itself, or (``head_weights="int8"``) an int8 copy
         of it, shared by the drafters of one head (:meth:`with_options`) and rebuilt whenever the
-        head's parameters change (never stale)."""
-        if self.policy.head_weights == "native":
+        head's parameters change (never stale); ``"auto"`` picks as :class:`Eagle3Policy` says."""
+        weights = self.policy.head_weights
+        if weights == "auto":
+            p = self.head.fc.weight
+            if p.device.type != "cpu" or p.dtype != torch.bfloat16:
+                return self.head
+        elif weights == "native":
             return self.head
         key = tuple((p.data_ptr(), p._version) for p in self.head.parameters())
         held = _INT8_COPIES.get(self.head)
@@ -103,6 +110,8 @@ class Eagle3Drafter(Drafter):
             runtime = copy.deepcopy(self.head)
             quantize_linears(runtime)
             held = _INT8_COPIES[self.head] = (key, runtime.eval())
+        if weights == "auto" and not getattr(held[1].lm_head, "kernel", False):
+            return self.head  # no int8 kernel here: the copy would only dequantize
         return held[1]
 
     def reset(self) -> None:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from ..tree import DraftTree, TreeBuilder
+
+#: Matches (longest n-gram first, most recent first) merged into one draft trie.
+MAX_MATCHES = 4
 from .base import DraftContext, Drafter, Step, TargetSignature
 from .registry import config_from_options, register
 
@@ -25,13 +28,11 @@ class NgramConfig:
     Attributes:
         max_ngram: longest suffix searched for in the context.
         min_ngram: shortest suffix searched for.
-        max_depth: longest continuation drafted from one match.
-        max_nodes: draft-node budget of the tree (root excluded); on CPU verify cost grows with it.
-        max_matches: most matches merged into the tree.
+        max_depth: longest continuation drafted from one match (:data:`MAX_MATCHES` matches are
+            merged into one trie; the controller verifies the part that pays).
         long_depth: deepest chain of the first (longest, most recent) match once chains are
             accepted whole: a step that accepts the whole of that chain, drafted to its depth cap,
-            doubles the cap for the next step (from ``max_depth`` up to ``long_depth``, the node
-            budget growing with it); a step that rejects any of it returns the cap to
+            doubles the cap for the next step (from ``max_depth`` up to ``long_depth``); a step that rejects any of it returns the cap to
             ``max_depth`` (as does a new generation). ``None`` (default): 32, or ``max_depth`` if
             deeper; equal to ``max_depth``: a fixed depth. Copied text accepts long chains whole.
     """
@@ -39,16 +40,13 @@ class NgramConfig:
     max_ngram: int = 4
     min_ngram: int = 2
     max_depth: int = 8
-    max_nodes: int = 12
-    max_matches: int = 4
     long_depth: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
-        for name in ("max_depth", "max_nodes", "max_matches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
         if self.long_depth is not None and self.long_depth < self.max_depth:
             raise ValueError(f"long_depth must be >= max_depth ({self.max_depth}), got {self.long_depth}")
 
@@ -96,7 +94,6 @@ class NgramDrafter(Drafter):
         cfg = self.config
         depth = min(cfg.max_depth, ctx.max_depth)
         first = min(self._depth, ctx.max_depth)  # the first match's cap (grown, see long_depth; >= depth)
-        budget = cfg.max_nodes + first - depth
         builder = TreeBuilder(ctx.root_token)
         self._chain = None
         if depth < 1:
@@ -111,14 +108,12 @@ class NgramDrafter(Drafter):
             for tok in chain:
                 child = trie.get((node, tok))
                 if child is None:
-                    if len(builder) > budget:
-                        break
                     child = trie[(node, tok)] = builder.add(node, tok)
                 node, walked = child, walked + 1
             if matches == 0:
                 self._chain = (chain[:walked], first)
             matches += 1
-            if matches >= cfg.max_matches or len(builder) > budget:
+            if matches >= MAX_MATCHES:
                 break
         return builder.build()
 
