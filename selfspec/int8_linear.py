@@ -25,7 +25,7 @@ Invariants:
   the layer multiplies by the dequantized weight (same values, plain ``F.linear``).
 * float32 inputs are rounded to bf16 for the kernel and the result is returned in float32: the
   kernel's float32 path is 4-5x slower than its bf16 path on a CPU with native bf16 and 10x slower
-  on one without (AVX2 only, round 25), where the bf16 path still needs no native bf16 (it widens
+  on one without (AVX2 only), where the bf16 path still needs no native bf16 (it widens
   the activations, the weights are int8): the 8192 x 576 head, one row, 0.28 ms against 1.4 ms
   for the float32 weight (``W @ x^T``, the fastest float32 layout there) and 3.1 ms for the
   kernel's float32 path (2 threads, medians of 300 calls); a whole draft step:

@@ -20,7 +20,7 @@ class SpecStats:
 
     ``first_token_s`` is the time to first token (prefill + first step, which emitted
     ``first_step_tokens``); TPOT is the time per token after that step; ``plain_steps`` counts
-    steps the adaptive policy ran without a draft, ``fallbacks`` how often it backed off;
+    steps verified without a draft (the controller's plain arm, or nothing drafted);
     ``prefix_reused`` the prompt positions taken from a :class:`~selfspec.prefix_cache.PrefixCache`.
     """
 
@@ -37,7 +37,6 @@ class SpecStats:
     first_step_tokens: int = 0
     plain_steps: int = 0
     prefix_reused: int = 0
-    fallbacks: int = 0
 
     @property
     def mean_accepted_length(self) -> float:

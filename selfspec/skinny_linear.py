@@ -9,8 +9,7 @@ LM head (as the engine runs it, :func:`selfspec.lm_head.lm_logits`) over n new t
 cached positions, the two layouts alternated call by call, medians of 15: one token 84 ms;
 n = 2 / 3 / 4 / 5: 117 / 135 / 120 / 123 ms with ``nn.Linear``, 86 / 107 / 89 / 106 ms with the
 weight as the *left* operand, ``W @ x^T`` (a tall-skinny sgemm); n = 6-12 within 2% either way;
-n = 16: 157 vs 147 ms (``docs/benchmarks.md``, round 24; ``scripts/forward_cost.py --setups
-float32 "float32 skinny"`` compares them on any machine). oneDNN with prepacked float32 weights
+n = 16: 157 vs 147 ms (``docs/results/r24_forward_cost_f32_avx2``). oneDNN with prepacked float32 weights
 was in between. The LM head already used this layout in :mod:`selfspec.lm_head`; this module
 extends it to the decoder's layers. No maintained library picks the operand order by row count
 for an unmodified transformers model in eager mode, hence this module.

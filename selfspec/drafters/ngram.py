@@ -66,7 +66,7 @@ class NgramDrafter(Drafter):
         super().__init__(signature)
         self.config = config
         # the latest context's matches: (its token tensor, its version counter, {n: continuation
-        # starts}); a union asks for the context key and then the tree of the same context (the
+        # starts}); the controller asks for the context key and then the tree of the same context (the
         # engine's ``tokens[:length]`` view, one object per step), which then share one search; a
         # tensor written in place since (its version moved) is searched again
         self._found: tuple[torch.Tensor, int, dict[int, list[int]]] | None = None

@@ -8,7 +8,7 @@ name: jump-forward text) is tokenized with the target's tokenizer and drafted as
 point-mass children. The grammar advances only on committed (verified) text, never on drafts, and it constrains nothing: the verifier decides every
 token, so the output keeps the target's exact law (greedy: identical to plain greedy). Outside a
 call, or where the model has a choice, it drafts nothing (a plain step), and ``context_key`` says
-so, so unions and the adaptive policy use it only inside calls.
+so, so the controller runs it only inside calls.
 """
 
 from __future__ import annotations
