@@ -36,31 +36,40 @@ class AcceptanceModel:
         self.priors, self.prior_weight, self.decay = priors, prior_weight, decay
         self.counts: dict[Cell, list[float]] = {}  # cell -> decayed [hits, tests]
         self.pooled: dict[tuple[int, int, int, int], list[float]] = {}  # (member, depth, rank, bucket)
+        self._means: dict[Cell, float] = {}  # posterior means, valid until the next record
 
-    def base_rate(self, member: int, depth: int, rank: int, bucket: int) -> float:
-        """The member's measured acceptance at (depth, rank); ranks beyond the measured ones get
-        half of what the last measured rank leaves per further rank; without a measurement a
-        default (1/2 at depth 1 rank 0, 0.85 times less per level, half per rank)."""
+    def measured(self, member: int, depth: int, rank: int, bucket: int) -> float | None:
+        """The member's measured acceptance at (depth, rank) (ranks beyond the measured ones: half
+        of what the last measured rank leaves, per further rank); ``None`` beyond its table."""
         table = (self.priors[member] or {}).get("greedy" if bucket == 0 else "sampled")
         if table and depth - 1 < len(table) and table[depth - 1]:
             row = table[depth - 1]
             rate = row[rank] if rank < len(row) else (1 - row[-1]) * 0.5 ** (rank - len(row) + 1)
             return float(min(0.98, max(0.01, rate)))
-        return 0.5 * 0.85 ** (depth - 1) * 0.5 ** rank
+        return None
 
     def posterior(self, cell: Cell) -> tuple[float, float]:
-        """Beta ``(alpha, beta)`` of ``cell``."""
-        m, _, d, r, b = cell
+        """Beta ``(alpha, beta)`` of ``cell``: its counts on a prior of strength ``prior_weight``
+        whose mean is the member's pooled estimate at this depth and rank over all keys, starting
+        from its measurement there; beyond the measured depths, the same key's estimate one
+        level up (acceptance given the parent varies slowly with depth: a copied text's chain
+        stays likely); at depth 1 without a measurement, 1/2 halved per rank."""
+        m, key, d, r, b = cell
         w = self.prior_weight
-        base = self.base_rate(m, d, r, b)
+        base = self.measured(m, d, r, b)
+        if base is None:
+            base = self.mean((m, key, d - 1, r, b)) if d > 1 else 0.5 * 0.5 ** r
         hits, tests = self.pooled.get((m, d, r, b), (0.0, 0.0))
-        pooled_mean = (base * w + hits) / (w + tests)
+        prior = (base * w + hits) / (w + tests)
         hits, tests = self.counts.get(cell, (0.0, 0.0))
-        return pooled_mean * w + hits, (1 - pooled_mean) * w + tests - hits
+        return prior * w + hits, (1 - prior) * w + tests - hits
 
     def mean(self, cell: Cell) -> float:
-        a, b = self.posterior(cell)
-        return a / (a + b)
+        got = self._means.get(cell)
+        if got is None:
+            a, b = self.posterior(cell)
+            got = self._means[cell] = a / (a + b)
+        return got
 
     def draw(self, cell: Cell, rng: random.Random) -> float:
         """A Thompson sample of the cell's acceptance."""
@@ -69,6 +78,7 @@ class AcceptanceModel:
 
     def record(self, member: int, outcomes: list[tuple[Cell, bool]]) -> None:
         """One step of ``member``: decay its counts, then add each tested cell's outcome."""
+        self._means = {}
         for table in (self.counts, self.pooled):
             for key, hc in table.items():
                 if key[0] == member:
@@ -82,11 +92,17 @@ class AcceptanceModel:
                 hc[1] += 1.0
 
     def table(self, member: int, bucket: int, depth: int = 8, ranks: int = 4) -> list[list[float]]:
-        """The member's pooled posterior means ``[depth][rank]`` (what a checkpoint stores as its
-        measured ``acceptance``)."""
-        return [[round(self._pooled_mean(member, d, r, bucket), 4) for r in range(ranks)] for d in range(1, depth + 1)]
-
-    def _pooled_mean(self, m: int, d: int, r: int, b: int) -> float:
+        """The member's pooled posterior means ``[depth][rank]`` over all keys (what a checkpoint
+        stores as its measured ``acceptance``)."""
         w = self.prior_weight
-        hits, tests = self.pooled.get((m, d, r, b), (0.0, 0.0))
-        return (self.base_rate(m, d, r, b) * w + hits) / (w + tests)
+        out: list[list[float]] = []
+        for d in range(1, depth + 1):
+            row = []
+            for r in range(ranks):
+                base = self.measured(member, d, r, bucket)
+                if base is None:
+                    base = out[-1][r] if out else 0.5 * 0.5 ** r
+                hits, tests = self.pooled.get((member, d, r, bucket), (0.0, 0.0))
+                row.append(round((base * w + hits) / (w + tests), 4))
+            out.append(row)
+        return out

@@ -135,8 +135,9 @@ class Controller:
     # ------------------------------------------------------------------ one step
     def choose(self, ctx: DraftContext) -> tuple[int, tuple[int, ...], int | None, int | None]:
         """``(arm index, context state, node budget, depth cap)`` for this step (Thompson
-        sampling, module docstring). The budget and the cap are the sized tree's nodes and depth
-        plus one, so trees can grow back (``None``: the arm has no tree yet, or ``fixed``)."""
+        sampling, module docstring). The cap is the depth that pays best (:meth:`_score`); the
+        budget is the sized tree's nodes plus one, so sampled trees can grow back (``None``: the
+        arm has no tree yet, or ``fixed``)."""
         state = tuple(m.context_key(ctx) for m in self.members)
         if self.config.fixed:
             return len(self.arms) - 1, state, None, None
@@ -152,7 +153,7 @@ class Controller:
                 return a, state, None, None
             score, nodes, depth = self._score(arm, shape, rate, ctx)
             if score > best_score:
-                best, best_score, budget, cap = a, score, nodes + 1, depth + 1
+                best, best_score, budget, cap = a, score, nodes + 1, depth
         return best, state, budget, cap
 
     def _drawn_rate(self, cell) -> float:
@@ -164,21 +165,32 @@ class Controller:
     def _score(self, arm: tuple[int, ...], shape, rate, ctx: DraftContext) -> tuple[float, int, int]:
         """``(tokens per second, draft nodes, depth)`` of ``arm``'s tree ``shape`` sized with the
         acceptance ``rate`` per cell, at the depth that pays best (each level costs each member
-        one drafting call). A member's catch-up over the steps it did not draft is not charged:
-        it is owed whenever the member drafts again, and charging it to one step made a member
-        look the worse the longer it had been left out, so it was never tried again."""
+        one drafting call). Levels deeper than the shape are weighed too (its best deepest node's
+        chain continued, valued by that drafter's cells further down), so trees grow where the
+        drawn acceptance says more levels pay. A member's catch-up over the steps it
+        did not draft is not charged: it is owed whenever the member drafts again, and charging it
+        to one step made a member look the worse the longer it had been left out, so it was never
+        tried again."""
         tree, sources = shape
         per_level = sum(self.cost.draft(m) for m in arm)
         values = node_values(tree, sources, rate)
         kept, _ = size_tree(tree, values, self.cost.verify, per_level * max(1, tree.depth), self.config.max_nodes)
         depths = tree.depths.tolist()
-        gain = [0.0] * (tree.depth + 1)
-        count = [0] * (tree.depth + 1)
+        gain = [0.0] * (tree.depth + 2)
+        count = [0] * (tree.depth + 2)
         for i in kept[1:]:
             gain[depths[i]] += values[i]
             count[depths[i]] += 1
+        deepest = max((i for i in kept[1:] if depths[i] == tree.depth), key=lambda i: values[i], default=None)
+        if deepest is not None and sources[deepest]:  # levels below the shape: its best chain, continued
+            m, key, d, _, bucket = sources[deepest][0]
+            value, gain, count = values[deepest], gain[:-1], count[:-1]
+            while value > 1e-3 and len(gain) <= self.config.max_nodes:
+                value *= rate((m, key, len(gain), 0, bucket))
+                gain.append(value)
+                count.append(1)
         best, tokens, n = (1.0 / self.cost.verify(1), 0, 0), 1.0, 0
-        for d in range(1, tree.depth + 1):
+        for d in range(1, len(gain)):
             tokens, n = tokens + gain[d], n + count[d]
             r = tokens / (per_level * d + self.cost.verify(n + 1))
             if r > best[0]:
