@@ -5,11 +5,14 @@ embeddings), and ``k = L`` the last layer's output before the final norm. Featur
 (EAGLE-3) need the taps of every committed position; the verify pass computes them anyway, so
 :func:`capture_taps` records them with forward pre-hooks on the layers (and on the final norm for
 ``k = L``) for the duration of one call and removes the hooks afterwards: the model is never left
-modified. Hooks cost one reference per tap; ``output_hidden_states`` would keep all L + 1 states.
+modified. A hook records only the calls of the thread that installed it, so another thread's
+forward of the same model meanwhile neither reads nor fills the record. Hooks cost one reference
+per tap; ``output_hidden_states`` would keep all L + 1 states.
 """
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Sequence
 
@@ -40,11 +43,12 @@ def capture_taps(model, taps: Sequence[int]):
     decoder = model.get_decoder()
     layers = decoder.layers
     total = len(layers)
-    handles = []
+    handles, owner = [], threading.get_ident()
 
     def hook_for(k):
         def hook(module, args, kwargs):
-            record.seen[k] = args[0] if args else kwargs["hidden_states"]
+            if threading.get_ident() == owner:
+                record.seen[k] = args[0] if args else kwargs["hidden_states"]
         return hook
 
     try:

@@ -812,3 +812,25 @@ def test_dtype_auto_and_names():
     assert resolve_dtype("auto") in (torch.bfloat16, torch.float32)
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8")
+
+
+def test_taps_ignore_another_threads_forward_of_the_same_model():
+    """The verify pass's tap hooks record only their own thread's calls: a forward of the same
+    model in another thread meanwhile leaves the record as the pass alone would write it."""
+    import threading
+
+    from selfspec.taps import capture_taps
+
+    model = tiny_model("llama", layers=5)
+    other = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    with capture_taps(model, [1, 3]) as alone:
+        model(PROMPT)
+    with capture_taps(model, [1, 3]) as rec:
+        t = threading.Thread(target=lambda: model(other))
+        t.start()
+        t.join()
+        model(PROMPT)
+        t = threading.Thread(target=lambda: model(other))
+        t.start()
+        t.join()
+    torch.testing.assert_close(rec.get(), alone.get(), rtol=0, atol=0)
