@@ -1,6 +1,6 @@
 """Regenerate the result tables embedded in Markdown docs from the benchmark result files.
 
-    python scripts/render_docs.py [docs/benchmarks.md README.md ...]   (default: docs/benchmarks.md)
+    python scripts/render_docs.py [README.md docs/results.md ...]   (default: both)
     python scripts/render_docs.py --check                              (exit 1 if a table is stale)
 
 A block between ``<!-- BEGIN docs/results/NAME.md -->`` and ``<!-- END -->`` is replaced by the
@@ -30,7 +30,7 @@ def render(text: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("files", nargs="*", default=["docs/benchmarks.md"])
+    ap.add_argument("files", nargs="*", default=["README.md", "docs/results.md"])
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
     stale = []

@@ -26,7 +26,7 @@ position biases, dropout, softcapping. The mask is built by transformers' ``sdpa
 under the same name. Plain decoding thus runs exactly transformers' path: only passes of several
 tokens with a mask change, which plain decoding never makes.
 
-Measured on the development machine (docs/benchmarks.md).
+Measured on the development machine.
 Explicit matmuls with a float32 softmax were slower than either SDPA path here (150-200 us for
 2-7 tokens: per-call overhead), so the kernel stays SDPA.
 """

@@ -14,6 +14,7 @@ never runs past the model's context. All input checks happen here, once, at the 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -151,9 +152,7 @@ class SpecStream:
                                         daemon=True)
         self._thread.start()
 
-    def put(self, value: torch.Tensor) -> None:  # the engine's streamer interface
-        if self._stop.is_set():
-            raise _Stopped
+    def put(self, value: torch.Tensor) -> None:  # the engine's streamer interface (via _StreamProxy)
         if self._prompt_seen:
             self._queue.put(value.tolist())
         self._prompt_seen = True
@@ -332,10 +331,7 @@ def decode(
     tree node before verification (:mod:`selfspec.constraint`). ``lock`` (optional): held for the
     whole generation (:func:`model_lock`).
     """
-    if lock is None:
-        return _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit, clock, streamer,
-                       prefix_cache, constraint, tools)
-    with lock:
+    with lock if lock is not None else contextlib.nullcontext():
         return _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit, clock, streamer,
                        prefix_cache, constraint, tools)
 

@@ -219,7 +219,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not bf16_is_fast(device):
         warnings.warn("bfloat16 asked for on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in "
                       "/proc/cpuinfo): its matmuls are emulated and run slower than float32 here "
-                      "(docs/benchmarks.md); dtype='auto' picks float32 on such a CPU",
+                      "; dtype='auto' picks float32 on such a CPU",
                       RuntimeWarning, stacklevel=2)
     available = prepack_available(dtype, device)
     if prepack and not available:

@@ -48,7 +48,7 @@ def cpu_label(identity: dict | None = None) -> str:
 #: Kernel classes, fastest bf16 path first: what decides a dtype's cost curve (a decode step and a
 #: tree pass of n nodes) on a CPU. Measured here: bf16 passes over 1 / 8 / 16 nodes cost 30.4 /
 #: 34.7 / 37.7 ms with AMX against 37.4 / 48.7 / 51.7 ms with avx512_bf16 alone
-#: (docs/benchmarks.md), and float32 products of 2-16 rows pay to run weight-first with
+#: (2 threads), and float32 products of 2-16 rows pay to run weight-first with
 #: AVX2 only (docs/results/r24_forward_cost_f32_avx2) but not with AVX-512
 #: (docs/results/r28_forward_cost_amx).
 CPU_CLASSES = ("amx", "avx512_bf16", "avx512", "avx2", "other")

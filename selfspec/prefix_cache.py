@@ -19,7 +19,7 @@ the cached taps at their first proposal, as after any reset.
 Exactness: position ``i``'s keys/values depend only on tokens ``0..i``, so a reused prefix holds
 the values a cold prefill computes, up to floating-point differences between kernels of
 different shapes (bit-identical output in float64; in low precision, the same near-tie caveat as
-tree passes, see docs/benchmarks.md "bfloat16"). A cache serves one model: using it with another
+tree passes). A cache serves one model: using it with another
 raises ``ValueError``.
 """
 

@@ -8,7 +8,7 @@ development machine (Xeon with AMX, 2 threads; SmolLM2's 1536 x 576 MLP matrices
 the cache is cold): per matrix 56-62 us for 1-16 rows, against 84-102 us for ``nn.Linear`` in bf16
 and 76-230 us in float32; the whole SmolLM2 forward over 1 / 8 / 16 new tokens after 200 cached
 positions: 29 / 38 / 40 ms, against 36 / 42 / 47 ms in bf16 unpacked and 32 / 58 / 65 ms in
-float32 (``docs/benchmarks.md``). No maintained library does this for an unmodified
+float32. No maintained library does this for an unmodified
 transformers model in eager mode (``torch.compile`` freezing does it inside a compiled graph, at
 minutes of compile time and recompiles per tree shape), hence this module.
 

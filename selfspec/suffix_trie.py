@@ -11,7 +11,7 @@ memory stays within ``max_depth`` nodes per token held.
 
 This is SuffixDecoding's data structure (Oliaro et al., 2024; Snowflake's ArcticInference), written
 here in Python because ``arctic-inference`` ships only as a source package whose build needs a
-second PyTorch and a C++ toolchain (see docs/benchmarks.md, "Suffix drafting"): a count trie of
+second PyTorch and a C++ toolchain: a count trie of
 bounded depth instead of a compressed suffix tree, which keeps every operation a few dictionary
 look-ups per token.
 """

@@ -63,6 +63,33 @@ class TableTarget:
         self.committed += self._tree.tokens[path].tolist()
 
 
+class VirtualClock:
+    """Virtual seconds, advanced only by the stubs (no sleeps, no load sensitivity), each cost
+    scaled by seeded log-normal noise (sigma 0.25) as real step times jitter."""
+
+    def __init__(self, seed: int = 0):
+        self.now, self.gen = 0.0, torch.Generator().manual_seed(seed)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds * float(torch.exp(0.25 * torch.randn((), generator=self.gen)))
+
+
+class TimedTarget(TableTarget):
+    """A table target whose pass costs 1 virtual second plus ``per_node`` per draft node on
+    ``clock`` (a CPU's small GEMMs)."""
+
+    def __init__(self, clock: VirtualClock, vocab: int = 6, per_node: float = 0.15):
+        super().__init__(vocab, 0)
+        self.clock, self.per_node = clock, per_node
+
+    def forward_tree(self, tree, handoff=None):
+        self.clock.spend(1.0 + self.per_node * (tree.num_nodes - 1))
+        return super().forward_tree(tree)
+
+
 def table_target(vocab: int = 6, seed: int = 0, hidden_size: int = 0) -> TableTarget:
     return TableTarget(vocab, seed, hidden_size=hidden_size)
 

@@ -14,33 +14,7 @@ from selfspec.engine import decode
 from selfspec.measurement.exit_search import rank_exits
 from selfspec.sampling import SamplingConfig
 from selfspec.tree import DraftTree, Law, TreeBuilder
-from stubs import OracleDrafter, ScriptedDrafter, TableTarget, fixed, table_target
-
-
-class Clock:
-    """Virtual seconds, advanced only by the stubs (no sleeps: no load sensitivity), each cost
-    scaled by seeded log-normal noise (sigma 0.25) as real step times jitter."""
-
-    def __init__(self, seed: int = 0):
-        self.now, self.gen = 0.0, torch.Generator().manual_seed(seed)
-
-    def __call__(self) -> float:
-        return self.now
-
-    def spend(self, seconds: float) -> None:
-        self.now += seconds * float(torch.exp(0.25 * torch.randn((), generator=self.gen)))
-
-
-class TimedTarget(TableTarget):
-    """A pass costs 1 virtual second plus ``per_node`` per draft node (a CPU's small GEMMs)."""
-
-    def __init__(self, clock: Clock, per_node: float = 0.15):
-        super().__init__(6, 0)
-        self.clock, self.per_node = clock, per_node
-
-    def forward_tree(self, tree, handoff=None):
-        self.clock.spend(1.0 + self.per_node * (tree.num_nodes - 1))
-        return super().forward_tree(tree)
+from stubs import OracleDrafter, ScriptedDrafter, TimedTarget, VirtualClock as Clock, fixed, table_target
 
 
 CURVE = CostModel({1: 1.0, 64: 1.0 + 0.15 * 63})  # what TimedTarget costs, as a measured curve
@@ -164,7 +138,7 @@ def test_verify_curve_is_measured_once_per_machine_and_cached(tmp_path, monkeypa
 def _speed(drafters, reference, *, new=300, config=None, per_node=0.15, draft_cost=None):
     """Tokens per virtual second over ``new`` greedy tokens after ``[1, 2]`` (``None``: plain)."""
     clock = Clock()
-    target = TimedTarget(clock, per_node)
+    target = TimedTarget(clock, per_node=per_node)
     if draft_cost:
         for d, seconds in zip(drafters, draft_cost):
             _charge(d, clock, seconds)

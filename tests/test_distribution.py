@@ -35,7 +35,7 @@ from selfspec.engine import decode
 from selfspec.sampling import SamplingConfig, sample, target_probs
 from selfspec.tree import DraftTree, Law
 from selfspec.verify import TreeBatch, verify_batch
-from stubs import ScriptedDrafter, TableTarget, fixed, table_target
+from stubs import ScriptedDrafter, TimedTarget, VirtualClock, fixed, table_target
 
 VOCAB, PROMPT, NEW, SAMPLES = 6, [1, 2], 3, 20000
 BATCH_SAMPLES = 200_000
@@ -423,32 +423,6 @@ def test_prompt_lookup_with_grown_chains_keeps_the_law(lossy, monkeypatch):
     ok, msg = chi_square_ok(exact_law(cfg, prompt), draw_with(cfg, drafter, n=n, prompt=prompt), n=n)
     assert max(depths) > 1  # chains did grow (and had room: five new tokens)
     assert ok != lossy, msg
-
-class VirtualClock:
-    """Virtual seconds advanced only by the stubs (no sleeps, no load sensitivity), each cost
-    scaled by seeded log-normal noise (sigma 0.25) as real step times jitter."""
-
-    def __init__(self, seed: int = 0):
-        self.now, self.gen = 0.0, torch.Generator().manual_seed(seed)
-
-    def __call__(self) -> float:
-        return self.now
-
-    def spend(self, seconds: float) -> None:
-        self.now += seconds * float(torch.exp(0.25 * torch.randn((), generator=self.gen)))
-
-
-class TimedTarget(TableTarget):
-    """A table target whose pass costs ``1 + 0.15`` virtual seconds per draft node."""
-
-    def __init__(self, clock: VirtualClock):
-        super().__init__(VOCAB, 0)
-        self.clock = clock
-
-    def forward_tree(self, tree, handoff=None):
-        self.clock.spend(1.0 + 0.15 * (tree.num_nodes - 1))
-        return super().forward_tree(tree)
-
 
 def _controller_counts(cfg, members, n, *, force=True, spy=None):
     """Counts of the first NEW tokens through ``decode`` under one learning controller over

@@ -7,18 +7,20 @@ merge of all. A single drafter is the two-arm case (plain or draft). Each step t
 2. scores every arm by Thompson sampling: one draw per acceptance cell from the
    :class:`~selfspec.control.acceptance.AcceptanceModel`, applied to the arm's latest tree in this
    state, sized by the sizing rule (:func:`~selfspec.control.merge.size_tree`), gives expected
-   tokens per second against the :class:`~selfspec.control.cost.CostModel` (drafting, catch-up
-   and verify seconds, all timed by the engine's clock). An arm never run is tried first. Draws
-   come from the controller's own ``random.Random(seed)``, never the sampling generator;
+   tokens per second against the :class:`~selfspec.control.cost.CostModel` (drafting and verify
+   seconds, timed by the engine's clock), at the depth that pays. An arm never run is tried
+   first. Draws come from the controller's own ``random.Random(seed)``, never the sampling
+   generator;
 3. asks the chosen arm's members for trees (the first member may sample; the others are asked
-   for point masses in a merge), merges them (:func:`~selfspec.control.merge.merge`) and cuts the
-   result to the size that pays by the posterior means (a tree carrying a layer handoff is
-   verified as drafted: its KV is already written);
+   for point masses in a merge), merges them (:func:`~selfspec.control.merge.merge`) and cuts
+   the point-mass nodes that do not pay by the same draws, so a node the means would cut is
+   still tested now and then (a tree carrying a layer handoff is verified as drafted: its KV is
+   already written);
 4. after verification, records which nodes were tested and accepted, and the step's seconds.
 
 Exactness: the arm, the tree shape and the cut depend on committed tokens, past measurements and
-the controller's own generator, never on the coins of this step's verification, and sampled
-nodes are cut by position only (see :mod:`selfspec.control.merge`); each step is an exact
+the controller's own generator, never on the coins of this step's verification, and drawn
+sampled nodes are never cut (see :mod:`selfspec.control.merge`); each step is an exact
 speculative (or plain) step, so any sequence of them keeps the target's law.
 """
 
@@ -143,15 +145,13 @@ class Controller:
             return len(self.arms) - 1, state, None, None
         bucket = temperature_bucket(ctx.sampling.temperature)
         self._draws = {}
-        rate = self._drawn_rate
-
         best, best_score, budget, cap = 0, 1.0 / self.cost.verify(1), None, None
         for a in range(len(self.arms) - 1, 0, -1):  # the merge first: it measures every member
             arm = self.arms[a]
             shape = self._shape(arm, state, bucket)
             if shape is None:
                 return a, state, None, None
-            score, nodes, depth = self._score(arm, shape, rate, ctx)
+            score, nodes, depth = self._score(arm, shape, self._drawn_rate)
             if score > best_score:
                 best, best_score, budget, cap = a, score, nodes + 1, depth
         return best, state, budget, cap
@@ -162,7 +162,7 @@ class Controller:
             self._draws[cell] = self.acceptance.draw(cell, self.rng)
         return self._draws[cell]
 
-    def _score(self, arm: tuple[int, ...], shape, rate, ctx: DraftContext) -> tuple[float, int, int]:
+    def _score(self, arm: tuple[int, ...], shape, rate) -> tuple[float, int, int]:
         """``(tokens per second, draft nodes, depth)`` of ``arm``'s tree ``shape`` sized with the
         acceptance ``rate`` per cell, at the depth that pays best (each level costs each member
         one drafting call). Levels deeper than the shape are weighed too (its best deepest node's
@@ -218,9 +218,8 @@ class Controller:
             parts.append((tree, member_sources(tree, m, state[m], bucket)))
             self.shapes[((m,), (state[m],))] = parts[-1]
         if not parts:
-            tree, sources = DraftTree.root_only(ctx.root_token), [[]]
-        drafted = 1
-        if parts:
+            tree, sources, drafted = DraftTree.root_only(ctx.root_token), [[]], 1
+        else:
             tree, sources = merge(parts) if len(parts) > 1 else parts[0]
             drafted = tree.num_nodes
             if len(parts) > 1:

@@ -16,9 +16,10 @@ along its path of its sources' acceptance), a tree of n nodes emits ``1 + sum(v)
 expectation and costs ``fixed + c(n)`` seconds (``fixed``: drafting; ``c``: the verify curve). Nodes
 are taken best value first (a node only after its parent, and a sampled node only after its
 earlier sampled siblings, whose laws it depends on) and the prefix with the most tokens per
-second is kept: a node stays when its expected acceptance pays for its marginal verify cost. The
-values of sampled nodes depend on positions (depth, rank) only, never on the tokens drawn, so
-which sampled nodes stay is decided as if before the draws: exact.
+second is kept: a node stays when its expected acceptance pays for its marginal verify cost. A
+drawn tree's sampled nodes are never cut (whether they stay would then depend on the tokens drawn
+below or beside them); their number is set before the draw, from sizing the latest tree
+(``DraftContext.max_nodes``), and only point-mass nodes are cut after drafting.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ target (no extra memory beyond the LoRA matrices): the target itself is never mo
 verify pass is the unmodified target, bit for bit, whatever the drafter did (tested), and no
 adapter has to be switched on and off around it. The price: the adapted layers' keys and values
 differ from the target's, so this drafter keeps its own cache and cannot hand layer outputs to the
-verify pass (the block adapter of ``layerskip`` can: see ``docs/benchmarks.md`` for the two
-measured side by side).
+verify pass (the block adapter of ``layerskip`` can).
 
 :meth:`LoraSkipDrafter.save_peft` writes a standard PEFT adapter folder (``adapter_config.json`` +
 ``adapter_model.safetensors``, module names as in the target) that
