@@ -3,7 +3,7 @@
 Two parts, each written to ``--out`` as JSON (and a short Markdown table):
 
 1. **Exactness on CUDA.** A small random llama, float64 on the GPU: speculative greedy output of
-   every drafter kind (ngram, suffix, medusa, layerskip, layerskip_lora, eagle3 and two unions) must
+   every drafter kind (ngram, suffix, medusa, layerskip with block and LoRA adapters, eagle3 and two unions) must
    be token-identical to transformers' plain greedy on the same device; a sampled run (T=0.8,
    top-p 0.9) must be reproducible from its seed. This is the CPU suite's greedy-identity test,
    run where device placement bugs would show.
@@ -73,7 +73,7 @@ def exactness(device: str) -> dict:
         "suffix": lambda: build_drafter(model, "suffix"),
         "medusa": lambda: _randomised(build_drafter(model, "medusa", num_heads=3)),
         "layerskip": lambda: _randomised(build_drafter(model, "layerskip", exit_layer=2)),
-        "layerskip_lora": lambda: build_drafter(model, "layerskip_lora", exit_layer=2, rank=4),
+        "layerskip (lora)": lambda: build_drafter(model, "layerskip", exit_layer=2, adapter="lora", rank=4),
         "eagle3": lambda: _randomised(build_drafter(model, "eagle3", draft_vocab_size=128)),
         # unions: the controller merges them (control=False below: every step drafts both)
         "eagle3+ngram": lambda: [_randomised(build_drafter(model, "eagle3", draft_vocab_size=128)),

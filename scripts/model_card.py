@@ -72,8 +72,8 @@ def _kind_lines(kind: str, cfg: dict, extra: dict | None = None) -> list[str]:
         return [f"Medusa heads: {cfg['num_heads']} heads, head k a stack of {cfg['num_layers']} residual block(s) "
                 "`x + SiLU(W x + b)` on the target's last hidden state, then the target's frozen LM head"
                 f"{' (own copy)' if cfg.get('own_lm_head') else ' (shared)'}; static tree {cfg['tree']}.", ""]
-    if kind == "layerskip_lora":
-        return [f"LoRA layer-skip: weight-sharing copies of the target's first {cfg['exit_layer']} decoder layers carrying "
+    if kind == "layerskip" and cfg.get("adapter") == "lora":
+        return [f"Layer-skip with LoRA adapters: weight-sharing copies of the target's first {cfg['exit_layer']} decoder layers carrying "
                 f"PEFT LoRA adapters (rank {cfg['rank']}, alpha {cfg['alpha']}), then the target's final norm and LM head; "
                 "the target is not modified, so there is no KV reuse. Trees sized per step by the controller.", ""]
     if kind == "layerskip":

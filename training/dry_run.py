@@ -63,8 +63,7 @@ def target_config(target: str):
 
 def drafter_options(cfg) -> dict:
     """The options the recipe passes to ``build_drafter`` for ``cfg.kind``."""
-    section = {"medusa": "medusa", "layerskip": "layerskip", "eagle3": "eagle3", "layerskip_lora": "lora"}[cfg.kind]
-    options = getattr(cfg, section)
+    options = getattr(cfg, cfg.kind)
     return options.to_dict() if hasattr(options, "to_dict") else asdict(options)
 
 
@@ -92,20 +91,21 @@ def estimate(cfg, processes: int = 1, tflops: float = 200.0, tokens: int | None 
     target_params = sum(p.numel() for p in model.parameters())
     text = config.get_text_config(decoder=True)
     layers, hidden = text.num_hidden_layers, text.hidden_size
-    trainable = {"medusa": lambda: drafter.heads, "layerskip": lambda: drafter.adapter, "eagle3": lambda: drafter.head,
-                 "layerskip_lora": lambda: drafter.stack}[cfg.kind]()
-    n_train = sum(p.numel() for n, p in trainable.named_parameters()
-                  if cfg.kind != "layerskip_lora" or "lora_" in n)
+    lora = cfg.kind == "layerskip" and cfg.layerskip.adapter == "lora"
+    trainable = drafter.stack if lora else {"medusa": lambda: drafter.heads, "layerskip": lambda: drafter.adapter,
+                                             "eagle3": lambda: drafter.head}[cfg.kind]()
+    n_train = sum(p.numel() for n, p in trainable.named_parameters() if not lora or "lora_" in n)
     dtype = getattr(cfg, "target_dtype", "float32")
     split = max(1, processes * cfg.optim.grad_accum)
     vocab = text.vocab_size
-    if cfg.kind in ("medusa", "layerskip") and getattr(cfg, "features", "cached") == "online":
+    heads = cfg.kind in ("medusa", "layerskip") and not lora  # LoRA adapters train online through the layers
+    if heads and getattr(cfg, "features", "cached") == "online":
         # online: the target's transient pass over the micro-batch, then heads over its positions
         micro = max(1, cfg.tokens_per_batch // split)
         outputs = cfg.medusa.num_heads if cfg.kind == "medusa" else 1
         run_layers = layers
         act = micro * (hidden * 24 + vocab * 2 * 2) + micro * outputs * vocab * 4 * (5 if cfg.loss == "kl" else 3)
-    elif cfg.kind in ("medusa", "layerskip"):  # cached features: B positions x outputs x vocab logits
+    elif heads:  # cached features: B positions x outputs x vocab logits
         outputs = cfg.medusa.num_heads if cfg.kind == "medusa" else 1
         micro = max(1, cfg.optim.batch_size // split)
         act = micro * outputs * vocab * 4 * (5 if cfg.loss == "kl" else 3)  # logits, log-softmax, grad (+ target law)

@@ -10,7 +10,6 @@ import yaml
 from .base import DraftContext, Drafter, Proposal, Requirements, Step, TargetSignature
 from .eagle3 import Eagle3Config, Eagle3Drafter
 from .layerskip import LayerSkipConfig, LayerSkipDrafter
-from .lora_skip import LoraSkipConfig, LoraSkipDrafter
 from .medusa import MedusaConfig, MedusaDrafter
 from .ngram import NgramConfig, NgramDrafter
 from .registry import kind_entry, kinds, register
@@ -145,11 +144,11 @@ def _parse_options(text: str) -> dict:
     return options
 
 
-from . import eagle3, layerskip, lora_skip, medusa, ngram, suffix, tool_schema  # noqa: E402, F401  (each registers itself)
+from . import eagle3, layerskip, medusa, ngram, suffix, tool_schema  # noqa: E402, F401  (each registers itself)
 
 __all__ = [
     "DraftContext", "Drafter", "Proposal", "Requirements", "Step", "TargetSignature", "Eagle3Config", "Eagle3Drafter",
-    "LayerSkipConfig", "LayerSkipDrafter", "LoraSkipConfig", "LoraSkipDrafter", "MedusaConfig", "MedusaDrafter",
+    "LayerSkipConfig", "LayerSkipDrafter", "MedusaConfig", "MedusaDrafter",
     "NgramConfig", "NgramDrafter", "SuffixConfig", "SuffixDrafter", "ToolCallDrafter", "ToolDraftConfig",
     "build_drafter", "drafter_from_spec", "kind_entry", "kinds", "load_drafter", "register", "save_drafter",
     "shipped_checkpoint",

@@ -2,9 +2,12 @@
 
 Notation: the target has L decoder layers; the drafter runs layers ``indices`` (default
 ``0 .. E-1``) of the *unmodified* target, then an optional small adapter, the target's final norm
-and its LM head: ``q = softmax(head(norm(adapter(h_E))))``. The adapter (``"block"``: residual
-blocks ``x + SiLU(W x)``, zero-initialised, so an untrained adapter is the plain early exit) runs
-only while drafting; verification always runs the full unmodified target, so output stays exact.
+and its LM head: ``q = softmax(head(norm(adapter(h_E))))``. Adapters (``LayerSkipConfig.adapter``):
+``"none"`` (the plain early exit), ``"block"`` (residual blocks ``x + SiLU(W x)`` after layer E,
+zero-initialised) or ``"lora"`` (PEFT LoRA on weight-sharing copies of layers ``0 .. E-1``,
+:mod:`selfspec.drafters.lora`; B = 0 initially). An untrained adapter of either kind is the plain
+early exit. Adapters run only while drafting; verification always runs the full unmodified target,
+so output stays exact.
 
 Tree: the level-wise expander shared with EAGLE-3 (:mod:`selfspec.drafters.expander`), every
 node forwarded (its KV may go to the verify pass). The checkpoint says which layers draft and the
@@ -15,7 +18,8 @@ keys / values and outputs for the drafted nodes are exactly what the verify pass
 Given the target's cache (``ctx.cache``), the drafter writes the tree's first-E-layer KV there in
 flat order (the last level gets a layers-only pass without the head) and hands ``h_E`` of every node
 to the verify pass (a :class:`~selfspec.drafters.base.Proposal` with a handoff), which then runs only layers E..L-1. Otherwise the drafter
-keeps its own cache of the drafting layers for the committed tokens.
+keeps its own cache of the drafting layers for the committed tokens (always so with LoRA: the
+adapted layers' keys and values are not the target's).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from .registry import register
 from .expander import TreePolicy, expand
 from .residual import ResBlock
 
-ADAPTERS = ("none", "block")
+ADAPTERS = ("none", "block", "lora")
 
 
 @dataclass
@@ -47,15 +51,22 @@ class LayerSkipConfig:
         exit_layer: E, draft with layers ``0 .. E-1`` (ignored when ``layers`` is given).
         layers: an explicit increasing subset of layers to draft with (Draft & Verify / SWIFT
             style); no KV reuse unless it is ``0 .. E-1``.
-        adapter: ``"none"`` (plain early exit) or ``"block"`` (trainable residual blocks after the
-            last drafting layer).
+        adapter: ``"none"`` (plain early exit), ``"block"`` (trainable residual blocks after the
+            last drafting layer) or ``"lora"`` (LoRA adapters on the drafting layers).
         adapter_layers: residual blocks in the ``"block"`` adapter.
+        rank / alpha: LoRA rank r and scaling numerator (the update is ``alpha / r * B A``;
+            ``"lora"`` adapter).
+        target_modules: names of the linear maps that get LoRA adapters (default: every
+            ``nn.Linear`` inside a decoder layer, e.g. ``q_proj ... down_proj``).
     """
 
     exit_layer: int = 8
     layers: list[int] | None = None
     adapter: str = "block"
     adapter_layers: int = 1
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.adapter not in ADAPTERS:
@@ -66,6 +77,10 @@ class LayerSkipConfig:
             raise ValueError("layers must name at least one layer")
         if self.adapter_layers < 1:
             raise ValueError(f"adapter_layers must be >= 1, got {self.adapter_layers}")
+        if self.rank < 1 or self.alpha <= 0:
+            raise ValueError(f"need rank >= 1 and alpha > 0, got {self.rank}, {self.alpha}")
+        if self.adapter == "lora" and self.layers is not None:
+            raise ValueError("LoRA adapters go on the first exit_layer layers: leave layers unset")
 
     @property
     def indices(self) -> list[int]:
@@ -109,8 +124,10 @@ class LayerSkipDrafter(Drafter):
 
     kind = "layerskip"
 
-    def __init__(self, model, config: LayerSkipConfig, adapter: ExitAdapter | None,
+    def __init__(self, model, config: LayerSkipConfig, adapter: ExitAdapter | tuple | None,
                  policy: LayerSkipPolicy | None = None, signature: TargetSignature | None = None):
+        """``adapter``: the block adapter, a LoRA ``(root, layers)`` pair of
+        :func:`~selfspec.drafters.lora.lora_stack`, or ``None`` (as ``config.adapter`` says)."""
         super().__init__(signature or TargetSignature.of(model), model)
         total = num_layers(model)
         self.indices = config.indices
@@ -119,12 +136,14 @@ class LayerSkipDrafter(Drafter):
         if len(self.indices) >= total:
             raise ValueError(f"drafting with all {total} layers is not a draft: choose exit_layer < {total}")
         self.config, self.policy = config, policy or LayerSkipPolicy()
-        self.adapter = adapter.eval() if adapter is not None else None
-        self.body = LayerSlice(model, self.indices, final_norm=False)
+        lora = config.adapter == "lora"
+        self.stack, layers = adapter if lora else (None, None)
+        self.adapter = adapter.eval() if config.adapter == "block" else None
+        self.body = LayerSlice(model, self.indices, final_norm=False, layers=layers)
         self.norm = model.get_decoder().norm
         self.masks = MaskBuilder(model)
-        self.requires = Requirements(
-            target_cache=self.policy.kv_reuse and self.indices == list(range(len(self.indices))))
+        self.requires = Requirements(target_cache=self.policy.kv_reuse and not lora
+                                     and self.indices == list(range(len(self.indices))))
         self.reset()
 
     def reset(self) -> None:
@@ -145,8 +164,18 @@ class LayerSkipDrafter(Drafter):
         if fixed:
             raise ValueError(f"cannot change {sorted(fixed)} of a trained layer-skip drafter")
         _, policy = split_options(self.kind, options)
-        return LayerSkipDrafter(self.model, self.config, self.adapter, LayerSkipPolicy(**(asdict(self.policy) | policy)),
+        adapter = (self.stack, self.body.layers) if self.stack is not None else self.adapter
+        return LayerSkipDrafter(self.model, self.config, adapter, LayerSkipPolicy(**(asdict(self.policy) | policy)),
                                 self.signature)
+
+    def save_peft(self, folder):
+        """Write the LoRA adapters as a standard PEFT folder (``PeftModel.from_pretrained`` on the
+        target); ``ValueError`` for other adapters."""
+        if self.stack is None:
+            raise ValueError(f"a PEFT folder holds LoRA adapters; this drafter's adapter is {self.config.adapter!r}")
+        from .lora import save_peft
+
+        return save_peft(self.stack, self.model, folder)
 
     # ------------------------------------------------------------------ drafting
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -230,7 +259,8 @@ def _builder_of(tree: DraftTree) -> TreeBuilder:
 
 
 def build_layerskip(model, **options) -> LayerSkipDrafter:
-    """``build_drafter(model, "layerskip", exit_layer=8, ...)``: an untrained adapter (= plain exit)."""
+    """``build_drafter(model, "layerskip", exit_layer=8, adapter="block", ...)``: an untrained
+    adapter (= the plain exit)."""
     config, policy = split_options("layerskip", options)
     cfg = LayerSkipConfig(**config)
     param = next(model.parameters())
@@ -238,11 +268,20 @@ def build_layerskip(model, **options) -> LayerSkipDrafter:
     if cfg.adapter == "block":
         hidden = model.config.get_text_config(decoder=True).hidden_size
         adapter = ExitAdapter(hidden, cfg.adapter_layers).to(param.device, param.dtype)
+    elif cfg.adapter == "lora":
+        from .lora import lora_stack
+
+        adapter = lora_stack(model, cfg.exit_layer, cfg.rank, cfg.alpha, cfg.target_modules)
     return LayerSkipDrafter(model, cfg, adapter, LayerSkipPolicy(**policy))
 
 
 def layerskip_weights(drafter: LayerSkipDrafter) -> dict[str, torch.Tensor]:
-    """The adapter tensors under the ``layerskip.`` prefix (none for the plain early exit)."""
+    """The adapter tensors: block under ``layerskip.``, LoRA under ``lora.`` (PEFT's names); none
+    for the plain early exit."""
+    if drafter.stack is not None:
+        from .lora import lora_state
+
+        return {f"lora.{k}": v for k, v in lora_state(drafter.stack).items()}
     if drafter.adapter is None:
         return {}
     return {f"layerskip.{k}": v for k, v in drafter.adapter.state_dict().items()}
@@ -257,6 +296,11 @@ def layerskip_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor
     except (KeyError, TypeError) as err:
         raise ValueError(f"layerskip checkpoint config is invalid: {err}") from None
     drafter = build_layerskip(model, **asdict(cfg))
+    if drafter.stack is not None:
+        from .lora import load_lora_state, lora_state
+
+        load_lora_state(drafter.stack, adapter_state(weights, "lora.", lora_state(drafter.stack)))
+        return drafter
     state = adapter_state(weights, "layerskip.", drafter.adapter.state_dict() if drafter.adapter is not None else {})
     if drafter.adapter is not None:
         drafter.adapter.load_state_dict(state)

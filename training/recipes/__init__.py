@@ -1,8 +1,8 @@
 """One training recipe per trainable drafter kind, all on the shared loop of :mod:`training.loop`.
 
 A drafter kind names its recipe module in its registry entry (``selfspec.drafters.register(kind,
-..., recipe="training.recipes.<kind>")``); that module defines ``RECIPE`` (the recipe class) and
-``CONFIG`` (its typed config). A new trainable kind adds its recipe file and nothing here.
+..., recipe="training.recipes.<kind>")``); that module defines ``RECIPE`` (the recipe class, or a
+function ``cfg -> recipe class`` for a kind trained several ways) and ``CONFIG`` (its typed config). A new trainable kind adds its recipe file and nothing here.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from .cached_features import HeadsTrainConfig
 from .eagle3 import Eagle3Recipe, Eagle3TrainConfig
 from .layerskip import LayerSkipRecipe
-from .layerskip_lora import LoraSkipRecipe, LoraSkipTrainConfig
+from .layerskip_peft import LoraSkipRecipe
 from .medusa import MedusaRecipe
 
 
@@ -35,15 +35,20 @@ def config_class(kind: str) -> type:
     return _module(kind).CONFIG
 
 
+def _recipe_class(cfg) -> type:
+    recipe = _module(cfg.kind).RECIPE
+    return recipe if isinstance(recipe, type) else recipe(cfg)
+
+
 def recipe_for(cfg, **given):
     """The recipe for ``cfg.kind``, built with ``given`` (``model=``, ``tokenizer=``, data)."""
-    return _module(cfg.kind).RECIPE(cfg, **given)
+    return _recipe_class(cfg)(cfg, **given)
 
 
 def run(cfg, *, resume: bool = False, **given) -> dict:
     """setup -> train -> export -> cleanup for ``cfg``'s kind; returns the export summary."""
-    return _module(cfg.kind).RECIPE.run(cfg, resume=resume, **given)
+    return _recipe_class(cfg).run(cfg, resume=resume, **given)
 
 
 __all__ = ["Eagle3Recipe", "Eagle3TrainConfig", "HeadsTrainConfig", "LayerSkipRecipe", "LoraSkipRecipe",
-           "LoraSkipTrainConfig", "MedusaRecipe", "config_class", "recipe_for", "recipe_kinds", "run"]
+           "MedusaRecipe", "config_class", "recipe_for", "recipe_kinds", "run"]

@@ -48,11 +48,13 @@ class HeadsTrainConfig:
             shards), as ``scripts/distill_data.py`` writes them.
         kind: drafter kind to train: ``medusa`` or ``layerskip``.
         medusa: head shape (kind ``medusa``).
-        layerskip: exit layer, adapter and tree policy (kind ``layerskip``; the adapter must be
-            ``block``: the plain early exit has nothing to train).
+        layerskip: exit layer and adapter (kind ``layerskip``; ``block`` trains on cached or online
+            features, ``lora`` always online through the adapted layers
+            (:mod:`training.recipes.layerskip_peft`); the plain early exit has nothing to train).
         loss: ``ce`` (self-distilled tokens) or ``kl`` (target's full law).
         head_decay: loss weight of head k is ``head_decay ** (k - 1)``.
         eval_fraction: share of examples held out for evaluation.
+        max_eval_examples: cap on the held-out examples (``None``: no cap).
         eval_ranks: candidates per head measured (tree width limit).
         tree_budget: draft nodes of the exported tree.
         max_len: longest example (tokens) used.
@@ -76,6 +78,7 @@ class HeadsTrainConfig:
     loss: str = "ce"
     head_decay: float = 0.8
     eval_fraction: float = 0.05
+    max_eval_examples: int | None = None
     eval_ranks: int = 4
     tree_budget: int = 10
     max_len: int = 1024
@@ -93,9 +96,9 @@ class HeadsTrainConfig:
         if self.kind not in ("medusa", "layerskip"):
             raise ValueError(f"this config trains kind 'medusa' or 'layerskip', got {self.kind!r}")
         if self.kind == "layerskip":
-            if self.layerskip.adapter != "block":
-                raise ValueError("layerskip.adapter must be 'block' to train (the plain early exit has no "
-                                 "weights: pick its exit layer with scripts/pick_exit_layer.py)")
+            if self.layerskip.adapter == "none":
+                raise ValueError("layerskip.adapter must be 'block' or 'lora' to train (the plain early exit has "
+                                 "no weights: pick its exit layer with scripts/pick_exit_layer.py)")
             if self.layerskip.layers is not None:
                 raise ValueError("training supports exit layers (layerskip.exit_layer), not layer subsets")
         check_dtype("target_dtype", self.target_dtype)
@@ -178,7 +181,8 @@ class CachedFeatureRecipe(TrainingRun):
 
     def _held_out(self, n_examples: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.cfg.run.seed)
-        return torch.randperm(n_examples, generator=g)[: max(1, int(n_examples * self.cfg.eval_fraction))]
+        held = torch.randperm(n_examples, generator=g)[: max(1, int(n_examples * self.cfg.eval_fraction))]
+        return held if self.cfg.max_eval_examples is None else held[: self.cfg.max_eval_examples]
 
     def _prepare_online(self) -> None:
         """Examples split as the cached mode splits them; held-out features computed once."""

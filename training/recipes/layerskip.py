@@ -1,5 +1,7 @@
-"""Recipe for the layer-skip exit adapter (``kind: layerskip``): one next-token prediction from the
-first E layers' output through the trained block adapter, the final norm and the LM head."""
+"""Recipes for the layer-skip drafter (``kind: layerskip``): the block adapter (one next-token
+prediction from the first E layers' output through the trained block adapter, the final norm and
+the LM head, on cached or online features) here; LoRA adapters on the drafting layers in
+:mod:`training.recipes.layerskip_peft`. One config, :class:`HeadsTrainConfig`."""
 
 from __future__ import annotations
 
@@ -42,5 +44,15 @@ class LayerSkipRecipe(CachedFeatureRecipe):
         return {"eval/expected_mat_chain": sum(a ** d for d in range(LayerSkipPolicy().max_depth + 1))}
 
 
-#: what the registry entry of this kind points to (selfspec.drafters.register(..., recipe=...))
-RECIPE, CONFIG = LayerSkipRecipe, HeadsTrainConfig
+def recipe_class(cfg: HeadsTrainConfig) -> type:
+    """The recipe for ``cfg.layerskip.adapter``."""
+    if cfg.layerskip.adapter == "lora":
+        from .layerskip_peft import LoraSkipRecipe
+
+        return LoraSkipRecipe
+    return LayerSkipRecipe
+
+
+#: what the registry entry of this kind points to (selfspec.drafters.register(..., recipe=...)):
+#: RECIPE is a recipe class or, for a kind with several, a function ``cfg -> recipe class``
+RECIPE, CONFIG = recipe_class, HeadsTrainConfig

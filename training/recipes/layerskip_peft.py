@@ -1,4 +1,5 @@
-"""Recipe for the LoRA layer-skip drafter (``kind: layerskip_lora``): PEFT LoRA adapters on the
+"""Recipe for the layer-skip drafter's LoRA adapter (``kind: layerskip``, ``layerskip.adapter:
+lora``; config :class:`~training.recipes.cached_features.HeadsTrainConfig`): PEFT LoRA adapters on the
 target's first E layers, trained so that the early exit (those layers, the final norm, the LM head)
 matches the full model's next-token law.
 
@@ -12,56 +13,16 @@ Export: the drafter checkpoint, plus the standard PEFT adapter folder in ``<expo
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
 import selfspec
 from selfspec.drafters.layerskip import LayerSkipPolicy
-from selfspec.drafters.lora_skip import LoraSkipConfig
 from selfspec.lm_head import lm_logits
 
-from ..batching import batch_at, collate, length_buckets, split_examples
-from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype
-from ..batching import load_distilled
-
-
-@dataclass
-class LoraSkipTrainConfig:
-    """``scripts/train_heads.py`` config for ``kind: layerskip_lora`` (YAML copy in configs/).
-
-    Attributes:
-        recipe / kind: ``train_heads`` / ``layerskip_lora``.
-        target: target alias or path.
-        dataset: a distillation folder or ``datasets`` folder (``scripts/distill_data.py``).
-        lora: exit layer, LoRA shape and tree policy of the drafter.
-        eval_fraction / max_eval_examples: held-out share of examples and its cap.
-        max_len: longest example (tokens) used.
-        tokens_per_batch: padded tokens per global batch (examples bucketed by length).
-        target_dtype: dtype of the frozen target (``float32`` / ``bfloat16``).
-        export / overwrite_export: where the drafter goes (with ``peft/`` inside), and whether an
-            existing folder may be replaced.
-    """
-
-    recipe: str = "train_heads"
-    kind: str = "layerskip_lora"
-    target: str = selfspec.DEFAULT_TARGET
-    dataset: str = "runs/distill/smollm2-chat-b"
-    lora: LoraSkipConfig = field(default_factory=LoraSkipConfig)
-    eval_fraction: float = 0.03
-    max_eval_examples: int = 64
-    max_len: int = 768
-    tokens_per_batch: int = 2048
-    target_dtype: str = "float32"
-    export: str | None = None
-    overwrite_export: bool = False
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, warmup_steps=10, epochs=1.0, batch_size=0))
-    run: RunConfig = field(default_factory=lambda: RunConfig(out_dir="runs/layerskip-lora-smollm2"))
-
-    def __post_init__(self) -> None:
-        if self.recipe != "train_heads" or self.kind != "layerskip_lora":
-            raise ValueError("LoraSkipTrainConfig is for recipe 'train_heads' with kind 'layerskip_lora'")
-        check_dtype("target_dtype", self.target_dtype)
+from ..batching import batch_at, collate, length_buckets, load_distilled, split_examples
+from ..loop import TrainingRun
 
 
 class LoraSkipRecipe(TrainingRun):
@@ -70,7 +31,7 @@ class LoraSkipRecipe(TrainingRun):
     name = "LoRA exit"
     cast_trainable = False  # the stack shares the target's frozen weights: only LoRA tensors train
 
-    def __init__(self, cfg: LoraSkipTrainConfig, *, model=None, tokenizer=None, examples=None):
+    def __init__(self, cfg, *, model=None, tokenizer=None, examples=None):
         super().__init__(cfg, model=model, tokenizer=tokenizer)
         self.examples = examples
 
@@ -79,9 +40,9 @@ class LoraSkipRecipe(TrainingRun):
         if self.examples is None:
             self.examples = load_distilled(cfg.dataset)
         self.train_set, self.eval_set = split_examples(self.examples, cfg.eval_fraction, cfg.run.seed,
-                                                       cfg.max_eval_examples)
+                                                       cfg.max_eval_examples or len(self.examples))
         self.batches = length_buckets(self.train_set, cfg.max_len, cfg.tokens_per_batch)
-        self.drafter = selfspec.build_drafter(self.model, "layerskip_lora", **cfg.lora.to_dict())
+        self.drafter = selfspec.build_drafter(self.model, "layerskip", **asdict(cfg.layerskip))
         for name, p in self.drafter.stack.named_parameters():
             if "lora_" in name:
                 p.data = p.data.float()
@@ -139,9 +100,9 @@ class LoraSkipRecipe(TrainingRun):
                 "eval/expected_mat_chain": sum(top1 ** d for d in range(LayerSkipPolicy().max_depth + 1))}
 
     def load_weights(self, drafter) -> None:
-        from peft import set_peft_model_state_dict
+        from selfspec.drafters.lora import load_lora_state, lora_state
 
-        set_peft_model_state_dict(self.drafter.stack, drafter.lora_state())
+        load_lora_state(self.drafter.stack, lora_state(drafter.stack))
 
     def export(self) -> dict:
         from pathlib import Path
@@ -174,7 +135,3 @@ class LoraSkipRecipe(TrainingRun):
         fig.tight_layout()
         fig.savefig(self.out / "training_curves.png", dpi=110)
         plt.close(fig)
-
-
-#: what the registry entry of this kind points to (selfspec.drafters.register(..., recipe=...))
-RECIPE, CONFIG = LoraSkipRecipe, LoraSkipTrainConfig
