@@ -35,8 +35,8 @@ from selfspec.measurement.workloads import load_questions, take_per_category  # 
 def distilled_ids(data_dir: Path) -> set[str]:
     """Ids of every prompt that a distillation recipe in ``configs/`` answers (their drafters
     trained on them), read from the recipes themselves, so it holds without the distilled data."""
-    from training.config import load_config
-    from training.distill import DistillJob, collect_prompts
+    from selfspec.training.config import load_config
+    from selfspec.training.distill import DistillJob, collect_prompts
 
     ids: set[str] = set()
     for path in sorted((Path(__file__).resolve().parents[1] / "configs").glob("distill_*.yaml")):

@@ -44,9 +44,9 @@ def training_prompts(meta: dict) -> set[str]:
     keeps the whole window out except the prompts answered only in its shards outside the range
     (window d's first six shards, which no head trained on, are the last held-out chat prompts
     once every chat prompt has been distilled: round 34). Refuses a dataset it cannot trace."""
-    from training.batching import shard_selection  # noqa: I001
-    from training.jobs import load_any
-    from training.distill import DistillConfig, collect_prompts
+    from selfspec.training.batching import shard_selection  # noqa: I001
+    from selfspec.training.jobs import load_any
+    from selfspec.training.distill import DistillConfig, collect_prompts
 
     extra = meta.get("extra") or {}
     datasets = [(extra.get("training") or {}).get("dataset")] + [r.get("dataset") for r in extra.get("lineage") or []]
@@ -102,7 +102,7 @@ def _outside_selection(folder: Path, selected: slice | None) -> set[tuple[str, s
     shards = sorted((folder / "shards").glob("*.jsonl")) if selected is not None else []
     if not shards or [f.stem for f in shards] != [f"{i:05d}" for i in range(len(shards))]:
         return set()
-    from training.batching import shard_records
+    from selfspec.training.batching import shard_records
 
     chosen = set(shards[selected])
 

@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import selfspec  # noqa: E402
-from training.config import load_config  # noqa: E402
-from training.distill import DistillJob, distill  # noqa: E402
+from selfspec.training.config import load_config  # noqa: E402
+from selfspec.training.distill import DistillJob, distill  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from selfspec.checkpoint import atomic_write_text  # noqa: E402
-from training.jobs import load_any  # noqa: E402
-from training.recipes import Eagle3Recipe  # noqa: E402
+from selfspec.training.jobs import load_any  # noqa: E402
+from selfspec.training.recipes import Eagle3Recipe  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -8,7 +8,7 @@ Two parts, each written to ``--out`` as JSON (and a short Markdown table):
    top-p 0.9) must be reproducible from its seed. This is the CPU suite's greedy-identity test,
    run where device placement bugs would show.
 2. **EAGLE-3 training on the GPU recipe.** ``configs/eagle3_llama3.1-8b_gpu.yaml`` with the real
-   target's shape (Llama-3.1-8B, from ``training.dry_run.KNOWN_TARGETS``) but *random weights*
+   target's shape (Llama-3.1-8B, from ``selfspec.training.dry_run.KNOWN_TARGETS``) but *random weights*
    (no hub here) in bfloat16, online features, synthetic token data of the recipe's lengths; a few
    optimizer steps after warm-up. Recorded: training tokens/s, peak GPU memory, and the dry run's
    estimate for the same config (memory, and the sustained TFLOP/s the measured speed implies
@@ -159,9 +159,9 @@ def _timed_run(recipe_cls, cfg, out_dir: Path, device: str, steps: int, **given)
 
 
 def training(device: str, small: bool, steps: int) -> dict:
-    from training.jobs import load_any
-    from training.dry_run import KNOWN_TARGETS, estimate
-    from training.recipes.eagle3 import Eagle3Recipe
+    from selfspec.training.jobs import load_any
+    from selfspec.training.dry_run import KNOWN_TARGETS, estimate
+    from selfspec.training.recipes.eagle3 import Eagle3Recipe
 
     cfg = base = load_any(ROOT / "configs" / "eagle3_llama3.1-8b_gpu.yaml")
     fields = dict(KNOWN_TARGETS[cfg.target])
@@ -286,9 +286,9 @@ def medusa_training(device: str, small: bool, steps: int) -> dict:
     """The Medusa GPU recipe (``configs/medusa_qwen2.5-7b_gpu.yaml``, online features) on a
     Qwen2.5-7B-shaped random target in bf16, ``optim.grad_accum=4`` (one GPU holds a quarter of
     the 8k-token batch's vocabulary-sized logits at a time); tokens/s and peak memory."""
-    from training.jobs import load_any
-    from training.dry_run import KNOWN_TARGETS, estimate
-    from training.recipes.medusa import MedusaRecipe
+    from selfspec.training.jobs import load_any
+    from selfspec.training.dry_run import KNOWN_TARGETS, estimate
+    from selfspec.training.recipes.medusa import MedusaRecipe
 
     base = load_any(ROOT / "configs" / "medusa_qwen2.5-7b_gpu.yaml")
     cfg = base = replace(base, optim=replace(base.optim, grad_accum=4))
@@ -305,7 +305,7 @@ def medusa_training(device: str, small: bool, steps: int) -> dict:
                                      model=model, dataset=examples)
     cfg = recipe.cfg
     rows = [r for r in recipe.history if "train/loss" in r]
-    from training.features import label_counts
+    from selfspec.training.features import label_counts
 
     positions = sum(int(label_counts([recipe.examples[i] for i in recipe.step_items(s)], 1, cfg.max_len, 1)[0])
                     for s in range(step0, recipe.step))

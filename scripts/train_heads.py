@@ -23,8 +23,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from training import recipes  # noqa: E402
-from training.jobs import load_any  # noqa: E402
+from selfspec.training import recipes  # noqa: E402
+from selfspec.training.jobs import load_any  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -39,7 +39,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     cfg = load_any(args.config, args.overrides, default_recipe="train_heads")
     if args.dry_run:
-        from training.dry_run import report
+        from selfspec.training.dry_run import report
 
         print(report(args.config, cfg, args.overrides, args.processes, args.tflops), end="")
         return

@@ -37,7 +37,7 @@ SETUPS = {
 
 def subset(dataset: str, n: int, folder: Path) -> Path:
     """The first ``n`` examples of a distillation folder, as one shard."""
-    from training.batching import load_distilled
+    from selfspec.training.batching import load_distilled
 
     rows = load_distilled(dataset)[:n]
     (folder / "shards").mkdir(parents=True, exist_ok=True)

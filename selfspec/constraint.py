@@ -51,6 +51,9 @@ class ToolCallConstraint(Constraint):
     """
 
     def __init__(self, tools, tokenizer, call_format="auto", vocab: int | None = None):
+        from .extras import need
+
+        need("llguidance.hf", "tools", "a tool-call constraint")
         import llguidance
         import llguidance.hf
 

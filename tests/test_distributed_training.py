@@ -143,7 +143,7 @@ def test_two_processes_killed_and_resumed_on_one_match_one_process(tmp_path):
 
 FAILING_RANK = """import runpy, sys
 sys.path.insert(0, {root!r})
-from training.loop import TrainingRun
+from selfspec.training.loop import TrainingRun
 
 real = TrainingRun._train_step
 

@@ -33,9 +33,9 @@ def _randomise(drafter, seed=0, scale=0.3):
 def _trained(model, tmp_path, steps=60, **eagle3):
     """A head trained for a few steps on the model's own greedy continuations (so drafts are
     often right), through the real recipe."""
-    from training.recipes import Eagle3Recipe, Eagle3TrainConfig
-    from training.batching import length_buckets
-    from training.loop import OptimConfig, RunConfig
+    from selfspec.training.recipes import Eagle3Recipe, Eagle3TrainConfig
+    from selfspec.training.batching import length_buckets
+    from selfspec.training.loop import OptimConfig, RunConfig
 
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
@@ -452,7 +452,7 @@ def test_hard_label_share_mixes_the_target_greedy_token_into_the_loss(tmp_path):
     target's greedy token) where the draft vocabulary holds that token, the soft term alone where
     it does not. So the per-step loss is linear in w, and at w = 1 it is, position by position,
     -log q(greedy token) (recomputed here from the head's logits)."""
-    from training.batching import collate
+    from selfspec.training.batching import collate
 
     model = tiny_model("llama", layers=5)
     _, recipe = _trained(model, tmp_path, steps=0, draft_vocab_size=6)  # some greedy tokens outside
@@ -495,7 +495,7 @@ def test_training_learns_and_resumes_exactly(tmp_path):
     first = [r["train/loss"] for r in ev if "train/loss" in r]
     assert first[-1] < first[0]
     # interrupted at step 6, checkpointed, resumed in a new recipe: identical weights at the end
-    from training.recipes import Eagle3Recipe
+    from selfspec.training.recipes import Eagle3Recipe
 
     part = Eagle3Recipe(recipe.cfg, model=model, examples=recipe.examples)
     part.cfg.run.out_dir = str(tmp_path / "b")
@@ -524,7 +524,7 @@ def test_training_continues_from_a_trained_head(tmp_path):
     target or of another shape is refused before any training."""
     from dataclasses import replace
 
-    from training.recipes import Eagle3Recipe
+    from selfspec.training.recipes import Eagle3Recipe
 
     model = tiny_model("llama", layers=5)
     first, recipe = _trained(model, tmp_path / "a", steps=12)
@@ -585,8 +585,8 @@ def test_a_trained_head_grows_a_larger_vocabulary_and_mlp_keeping_its_features_a
     larger shape is refused, and a shrink is refused even with it."""
     from dataclasses import replace
 
-    from training.batching import collate
-    from training.recipes import Eagle3Recipe
+    from selfspec.training.batching import collate
+    from selfspec.training.recipes import Eagle3Recipe
 
     model = tiny_model("llama", layers=5)
     small, recipe = _trained(model, tmp_path / "a", steps=12, draft_vocab_size=32)

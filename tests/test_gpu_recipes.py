@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from test_training import saved_target_and_data
-from training.jobs import load_any
-from training.dry_run import KNOWN_TARGETS
+from selfspec.training.jobs import load_any
+from selfspec.training.dry_run import KNOWN_TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CONFIGS = [p for p in sorted((ROOT / "configs").glob("*_gpu.yaml")) if load_any(p).recipe == "train_heads"]

@@ -104,8 +104,8 @@ def test_peft_folder_loads_with_peft_and_checkpoints_round_trip(tmp_path):
 
 
 def test_recipe_trains_resumes_and_exports(tmp_path):
-    from training.config import load_config
-    from training.recipes import HeadsTrainConfig, LoraSkipRecipe, recipe_for
+    from selfspec.training.config import load_config
+    from selfspec.training.recipes import HeadsTrainConfig, LoraSkipRecipe, recipe_for
 
     model = tiny_model("llama", vocab=64, dtype=torch.float32, layers=4)
     with torch.no_grad():  # peaked laws, and skipped layers that matter: the plain exit is a poor draft

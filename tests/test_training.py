@@ -9,10 +9,10 @@ import torch
 from datasets import Dataset
 
 import selfspec
-from training.config import load_config
-from training.jobs import load_any
-from training.features import IGNORE, head_labels
-from training.recipes import HeadsTrainConfig, recipe_for
+from selfspec.training.config import load_config
+from selfspec.training.jobs import load_any
+from selfspec.training.features import IGNORE, head_labels
+from selfspec.training.recipes import HeadsTrainConfig, recipe_for
 from tiny_models import tiny_model
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -160,7 +160,7 @@ def test_layerskip_training_refuses_a_plain_exit():
 @pytest.mark.parametrize("kind", ["medusa", "layerskip"])
 def test_online_features_equal_the_cached_ones(kind):
     """One padded target pass over several examples gives the cached features, positions and labels."""
-    from training.features import batch_features, build_features
+    from selfspec.training.features import batch_features, build_features
 
     model = tiny_model("llama", vocab=64, layers=4)  # float64
     data = tiny_dataset(model.float(), n=5, new=12)
@@ -210,7 +210,7 @@ def test_online_training_lowers_loss_resumes_exactly_and_exports(tmp_path, kind)
 def test_overrides_keep_yaml_1_1_words_as_strings():
     """``run.mixed_precision=no`` must reach accelerate as the word ``no`` (YAML 1.1 reads it as
     False, which accelerate rejects); ``true`` / ``false`` still give booleans."""
-    from training.config import apply_overrides
+    from selfspec.training.config import apply_overrides
 
     data = apply_overrides({}, ["run.mixed_precision=no", "a.b=true", "a.c=False", "a.d=3", "a.e=on"])
     assert data == {"run": {"mixed_precision": "no"}, "a": {"b": True, "c": False, "d": 3, "e": "on"}}

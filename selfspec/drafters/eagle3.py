@@ -282,5 +282,5 @@ def _acceptance(extra: dict) -> dict | None:
     return out or None
 
 
-register("eagle3", build_eagle3, checkpoint=(eagle3_weights, eagle3_from_checkpoint), recipe="training.recipes.eagle3",
+register("eagle3", build_eagle3, checkpoint=(eagle3_weights, eagle3_from_checkpoint), recipe="selfspec.training.recipes.eagle3",
          exporter="selfspec.export:eagle3_layout", export_format="eagle3")

@@ -308,4 +308,4 @@ def layerskip_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor
 
 
 register("layerskip", build_layerskip, checkpoint=(layerskip_weights, layerskip_from_checkpoint),
-         recipe="training.recipes.layerskip")
+         recipe="selfspec.training.recipes.layerskip")

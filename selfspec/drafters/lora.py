@@ -42,6 +42,9 @@ def lora_stack(model, exit_layer: int, rank: int, alpha: float,
     target's layers compute); returns ``(root, layers)``. Module names match the target's, so the
     adapter state dict is the one PEFT would make on the target. ``target_modules`` (default: every
     ``nn.Linear`` inside a decoder layer) names the adapted maps."""
+    from ..extras import need
+
+    need("peft", "train", "a layer-skip drafter with LoRA adapters")
     from peft import LoraConfig, inject_adapter_in_model
 
     decoder = model.get_decoder()

@@ -177,5 +177,5 @@ def medusa_from_checkpoint(model, meta: dict, weights: dict[str, torch.Tensor]) 
     return MedusaDrafter(model, heads)
 
 
-register("medusa", build_medusa, checkpoint=(medusa_weights, medusa_from_checkpoint), recipe="training.recipes.medusa",
+register("medusa", build_medusa, checkpoint=(medusa_weights, medusa_from_checkpoint), recipe="selfspec.training.recipes.medusa",
          exporter="selfspec.export:medusa_layout", export_format="medusa")

@@ -3,7 +3,7 @@
 ``register(kind, builder, checkpoint=..., recipe=..., exporter=...)`` is all a new drafter adds:
 its builder (``builder(model, **options)``), for trainable kinds the two functions that save and
 rebuild it from a checkpoint, the import path of its training recipe module (the library never
-imports ``training``; ``training.recipes`` finds recipes here) and of its serving-layout exporter.
+imports ``selfspec.training``, which finds recipes here) and of its serving-layout exporter.
 """
 
 from __future__ import annotations

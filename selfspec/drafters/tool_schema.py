@@ -55,6 +55,9 @@ class ToolCallDrafter(Drafter):
     requires = Requirements(tools=True)
 
     def __init__(self, cfg: ToolDraftConfig, tokenizer, signature: TargetSignature | None = None):
+        from ..extras import need
+
+        need("llguidance.hf", "tools", "the tool-schema drafter")
         import llguidance.hf
 
         super().__init__(signature)

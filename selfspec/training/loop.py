@@ -1,6 +1,6 @@
 """The one training loop every drafter kind shares: accelerate, data sharding, resume, logging.
 
-A kind's recipe (``training/recipes/<kind>.py``) subclasses :class:`TrainingRun` and fills in what
+A kind's recipe (``selfspec/training/recipes/<kind>.py``) subclasses :class:`TrainingRun` and fills in what
 only it knows: its data and trainable module (:meth:`TrainingRun.prepare`), the items of each
 step's global batch (:meth:`TrainingRun.step_items`), the loss of some of them
 (:meth:`TrainingRun.loss`), evaluation, export and plots. This class does the rest, the same way

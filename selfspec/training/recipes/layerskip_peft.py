@@ -1,5 +1,5 @@
 """Recipe for the layer-skip drafter's LoRA adapter (``kind: layerskip``, ``layerskip.adapter:
-lora``; config :class:`~training.recipes.cached_features.HeadsTrainConfig`): PEFT LoRA adapters on the
+lora``; config :class:`~selfspec.training.recipes.cached_features.HeadsTrainConfig`): PEFT LoRA adapters on the
 target's first E layers, trained so that the early exit (those layers, the final norm, the LM head)
 matches the full model's next-token law.
 

@@ -3,15 +3,15 @@
 Two ways to get the target's hidden states (``features``):
 
 * ``cached`` (small targets): the frozen target runs once per example
-  (:func:`training.features.build_features`, on the main process) and its hidden states are cached
+  (:func:`selfspec.training.features.build_features`, on the main process) and its hidden states are cached
   in the run folder as safetensors, keyed by the target's weight fingerprint, the dataset, the kind
   and the feature options (never silently reused for another). Items are training positions; the
   global batch of step s is a slice of a seeded permutation of them (a pure function of seed,
   epoch and s).
 * ``online`` (large targets, the GPU recipes): nothing is cached; items are examples, the global
   batch of step s is a length bucket of at most ``tokens_per_batch`` padded tokens in a seeded
-  order (:mod:`training.batching`), and each process runs the frozen target over its share of it
-  in one padded pass under ``torch.no_grad`` (:func:`training.features.batch_features`, in
+  order (:mod:`selfspec.training.batching`), and each process runs the frozen target over its share of it
+  in one padded pass under ``torch.no_grad`` (:func:`selfspec.training.features.batch_features`, in
   ``target_dtype``), then trains on the positions exactly as the cached mode does.
 
 Held-out positions are those of a seeded share of the examples (their features are computed once,
@@ -50,7 +50,7 @@ class HeadsTrainConfig:
         medusa: head shape (kind ``medusa``).
         layerskip: exit layer and adapter (kind ``layerskip``; ``block`` trains on cached or online
             features, ``lora`` always online through the adapted layers
-            (:mod:`training.recipes.layerskip_peft`); the plain early exit has nothing to train).
+            (:mod:`selfspec.training.recipes.layerskip_peft`); the plain early exit has nothing to train).
         loss: ``ce`` (self-distilled tokens) or ``kl`` (target's full law).
         head_decay: loss weight of head k is ``head_decay ** (k - 1)``.
         eval_fraction: share of examples held out for evaluation.
@@ -114,7 +114,7 @@ class CachedFeatureRecipe(TrainingRun):
     """Training on cached target features; items are positions (see the module docstring).
 
     Subclasses set :attr:`num_outputs` (predictions per position), :attr:`first` (label offset of
-    the first prediction, see :func:`training.features.head_labels`), :attr:`exit_layer` (cache the
+    the first prediction, see :func:`selfspec.training.features.head_labels`), :attr:`exit_layer` (cache the
     first E layers' output too, or ``None``), :meth:`options` (drafter options), :meth:`trainable_of`
     and :meth:`forward`.
     """

@@ -1,7 +1,7 @@
 """Any job config file (distillation or training) into its typed dataclass.
 
-The dispatcher sits above :mod:`training.config` (generic typed configs), :mod:`training.distill`
-and :mod:`training.recipes`, so none of those imports another in a circle.
+The dispatcher sits above :mod:`selfspec.training.config` (generic typed configs), :mod:`selfspec.training.distill`
+and :mod:`selfspec.training.recipes`, so none of those imports another in a circle.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .recipes import config_class
 
 def load_any(path: str | Path | None, overrides: list[str] | None = None, default_recipe: str | None = None):
     """Load a config file into the dataclass its ``recipe`` key (and, for ``train_heads``, its
-    ``kind``: one recipe per drafter kind, see :mod:`training.recipes`) names."""
+    ``kind``: one recipe per drafter kind, see :mod:`selfspec.training.recipes`) names."""
     data = (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}) if path is not None else {}
     data = apply_overrides(data, overrides or [])
     recipe = data.get("recipe", default_recipe)

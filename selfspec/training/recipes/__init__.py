@@ -1,7 +1,7 @@
-"""One training recipe per trainable drafter kind, all on the shared loop of :mod:`training.loop`.
+"""One training recipe per trainable drafter kind, all on the shared loop of :mod:`selfspec.training.loop`.
 
 A drafter kind names its recipe module in its registry entry (``selfspec.drafters.register(kind,
-..., recipe="training.recipes.<kind>")``); that module defines ``RECIPE`` (the recipe class, or a
+..., recipe="selfspec.training.recipes.<kind>")``); that module defines ``RECIPE`` (the recipe class, or a
 function ``cfg -> recipe class`` for a kind trained several ways) and ``CONFIG`` (its typed config). A new trainable kind adds its recipe file and nothing here.
 """
 

@@ -1,6 +1,6 @@
 """Recipe: train an EAGLE-3 draft head on a frozen target from self-distilled conversations.
 
-On the shared loop (:mod:`training.loop`): prepare (data split, draft vocabulary, head) -> train
+On the shared loop (:mod:`selfspec.training.loop`): prepare (data split, draft vocabulary, head) -> train
 (online target features, training-time test, seeded and resumable, logged, checkpointed, sharded
 over processes) -> export (held-out acceptance per unrolled step, drafter checkpoint, curves plot).
 Items are examples; the global batch of a step is one length bucket of at most
@@ -48,7 +48,7 @@ class Eagle3TrainConfig:
         kind: always ``eagle3``.
         target: target alias or path.
         dataset: a distillation output folder (``shards/*.jsonl``, possibly partial), a shard
-            range of one (``folder[6:]``, :func:`training.batching.shard_selection`) or a
+            range of one (``folder[6:]``, :func:`selfspec.training.batching.shard_selection`) or a
             ``datasets`` folder, as written by ``scripts/distill_data.py``; or a list of those,
             trained on together (e.g. an earlier window again with a new one).
         eagle3: head shape and tree policy of the exported drafter.

@@ -1,7 +1,7 @@
 """Recipes for the layer-skip drafter (``kind: layerskip``): the block adapter (one next-token
 prediction from the first E layers' output through the trained block adapter, the final norm and
 the LM head, on cached or online features) here; LoRA adapters on the drafting layers in
-:mod:`training.recipes.layerskip_peft`. One config, :class:`HeadsTrainConfig`."""
+:mod:`selfspec.training.recipes.layerskip_peft`. One config, :class:`HeadsTrainConfig`."""
 
 from __future__ import annotations
 
