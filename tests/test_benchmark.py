@@ -102,12 +102,12 @@ def test_intervals_resample_whole_conversations():
 
 
 def test_two_methods_of_a_result_file_are_compared_on_the_turns_both_ran():
-    """scripts/paired.py: rate ratio and MAT of A against B over the turns both ran (a turn only one
+    """scripts/dev/paired.py: rate ratio and MAT of A against B over the turns both ran (a turn only one
     of them ran is left out), with a seeded interval."""
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "dev"))
     import paired
 
     records = []
@@ -163,9 +163,6 @@ def _questions(tmp_path):
 
 
 def test_benchmark_smoke_with_peers_schema_and_resume(tmp_path):
-    import importlib.util
-    import pathlib
-
     tok = tiny_tokenizer(128)
     model = tiny_model("llama", vocab=len(tok))
     questions = _questions(tmp_path)
@@ -186,9 +183,8 @@ def test_benchmark_smoke_with_peers_schema_and_resume(tmp_path):
     assert summary["overall"]["baseline"]["speedup"] == pytest.approx(1.0)
     assert summary["overall"]["hf-greedy"]["identical_share"] == 1.0  # greedy peers agree with us
     assert summary["overall"]["ngram:min_ngram=1"]["identical_share"] == 1.0
-    spec = importlib.util.spec_from_file_location("bench_script", pathlib.Path(__file__).parents[1] / "scripts" / "benchmark.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from selfspec.commands import bench as script
+
     script.write(str(tmp_path / "out"), {"x": 1}, records, "cmd")
     stored = json.loads((tmp_path / "out.json").read_text())
     assert set(stored) == {"args", "command", "provenance", "summary", "records"} and len(stored["records"]) == 15
@@ -305,7 +301,7 @@ def test_docs_tables_match_their_result_files():
     import pathlib
 
     root = pathlib.Path(__file__).parents[1]
-    spec = importlib.util.spec_from_file_location("render_docs", root / "scripts" / "render_docs.py")
+    spec = importlib.util.spec_from_file_location("render_docs", root / "scripts" / "dev" / "render_docs.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["docs/results.md", "README.md", "--check"]) == 0
@@ -384,7 +380,7 @@ def test_compare_times_a_reference_copy_in_the_same_alternation():
 
 
 def test_model_cards_match_their_checkpoints_and_result_files():
-    """Every shipped checkpoint's README.md is what scripts/model_card.py generates from its
+    """Every shipped checkpoint's README.md is what scripts/dev/model_card.py generates from its
     drafter.json and the result files named in checkpoints/cards.json (no hand-typed numbers)."""
     import importlib.util
     import json
@@ -394,7 +390,7 @@ def test_model_cards_match_their_checkpoints_and_result_files():
     cards = json.loads((root / "checkpoints" / "cards.json").read_text(encoding="utf-8"))
     shipped = {f"checkpoints/{p.parent.name}" for p in (root / "checkpoints").glob("*/drafter.json")}
     assert shipped == set(cards), "every shipped checkpoint needs an entry in checkpoints/cards.json"
-    spec = importlib.util.spec_from_file_location("model_card", root / "scripts" / "model_card.py")
+    spec = importlib.util.spec_from_file_location("model_card", root / "scripts" / "dev" / "model_card.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["--all", "--check"]) == 0

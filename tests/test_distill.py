@@ -92,14 +92,14 @@ def test_benchmark_prompts_never_reach_distillation(tmp_path):
     if DATA.exists():
         from selfspec.training.jobs import load_any
 
-        job = load_any(Path(__file__).resolve().parents[1] / "configs" / "distill_chat_smollm2.yaml")
+        job = load_any(Path(__file__).resolve().parents[1] / "configs" / "distill" / "smollm2.yaml")
         real = collect_prompts(DistillConfig(**(job.distill.__dict__ | {"data_dir": str(DATA)})))
         assert not {p["user"].strip() for p in real} & benchmark_prompts(DATA)
         # the second window (skip) is held out the same way and shares no prompt with the first
         ids = lambda ps: {(p["source"], p["source_id"]) for p in ps if p["source"] in ("chat", "tools")}  # noqa: E731
         seen = ids(real)
         for window in ("c", "d", "e", "f", "g"):  # later windows: held out alike, no prompt of an earlier window
-            job_w = load_any(Path(__file__).resolve().parents[1] / "configs" / f"distill_chat_smollm2_{window}.yaml")
+            job_w = load_any(Path(__file__).resolve().parents[1] / "configs" / "distill" / f"smollm2-window-{window}.yaml")
             more = collect_prompts(DistillConfig(**(job_w.distill.__dict__ | {"data_dir": str(DATA)})))
             assert not {p["user"].strip() for p in more} & benchmark_prompts(DATA)
             assert ids(more) and not ids(more) & seen  # (a few prompt texts occur twice in the set itself)
@@ -177,12 +177,10 @@ def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_o
     every dataset in its lineage (a shard range keeps its window out but for the prompts answered only
     outside the range, the held-out shards); an absent ``runs/`` folder is traced to the distill config in
     configs/ that writes it; a dataset it cannot trace is refused, never silently ignored."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("calibrate_script", Path(__file__).resolve().parents[1] / "scripts" / "calibrate.py")
-    calibrate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(calibrate)
+    from selfspec.commands import calibrate
+
     data = _fixture(tmp_path)
     folder = tmp_path / "ds"
     folder.mkdir()

@@ -15,7 +15,7 @@ from selfspec.training.features import IGNORE, head_labels
 from selfspec.training.recipes import HeadsTrainConfig, recipe_for
 from tiny_models import tiny_model
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*/*.yaml"))
 
 
 def tiny_dataset(model, n: int = 12, new: int = 24) -> Dataset:
@@ -108,7 +108,7 @@ def test_resume_continues_from_the_saved_step(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+@pytest.mark.parametrize("path", CONFIGS, ids=[f"{p.parent.name}/{p.name}" for p in CONFIGS])
 def test_every_config_loads(path):
     cfg = load_any(path)
     assert cfg.recipe in ("distill", "train_heads")

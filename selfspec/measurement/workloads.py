@@ -146,7 +146,7 @@ def heldout_chat_prompts(data_dir: str | Path, n: int, exclude: set[str] | None 
 
 def benchmark_prompts(data_dir: str | Path, holdout: int = 100) -> set[str]:
     """User texts of every prompt set the benchmarks measure on (MT-Bench turns, the held-out BFCL
-    records, the adversarial prompts): self-distillation and calibration never use them."""
+    records, the prompt files in docs/prompts): self-distillation and calibration never use them."""
     data = Path(data_dir)
     texts: set[str] = set()
     mt = data / "mt_bench_question.jsonl"
@@ -155,7 +155,6 @@ def benchmark_prompts(data_dir: str | Path, holdout: int = 100) -> set[str]:
     for name in ("BFCL_v4_simple_python.json", "BFCL_v4_multiple.json"):
         if (data / "bfcl" / name).exists():
             texts |= {t.strip() for q in load_bfcl(data / "bfcl" / name)[:holdout] for t in q.turns}
-    adversarial = Path(__file__).resolve().parents[2] / "docs" / "prompts" / "adversarial.jsonl"
-    if adversarial.exists():
-        texts |= {t.strip() for q in load_spec_bench(adversarial) for t in q.turns}
+    for shipped in sorted((Path(__file__).resolve().parents[2] / "docs" / "prompts").glob("*.jsonl")):
+        texts |= {t.strip() for q in load_spec_bench(shipped) for t in q.turns}
     return texts

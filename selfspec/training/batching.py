@@ -58,12 +58,12 @@ def load_distilled(path) -> list[dict]:
     if shards:
         return shard_records(shards)
     if (path / "shards").is_dir():
-        raise FileNotFoundError(f"{path} has no finished shard yet: let scripts/distill_data.py run longer")
+        raise FileNotFoundError(f"{path} has no finished shard yet: let selfspec distill run longer")
     if path.is_dir():
         from datasets import load_from_disk
 
         return list(load_from_disk(str(path)))
-    raise FileNotFoundError(f"no distilled data at {str(path)!r}: run scripts/distill_data.py first")
+    raise FileNotFoundError(f"no distilled data at {str(path)!r}: run selfspec distill first")
 
 
 def shard_records(files) -> list[dict]:

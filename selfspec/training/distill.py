@@ -79,7 +79,7 @@ class DistillConfig:
 
 @dataclass
 class DistillJob:
-    """``scripts/distill_data.py`` config: which target, where to write, what to distil."""
+    """``selfspec distill`` config: which target, where to write, what to distil."""
 
     recipe: str = "distill"
     target: str = DEFAULT_TARGET

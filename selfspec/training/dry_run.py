@@ -1,4 +1,4 @@
-"""``scripts/train_heads.py --dry-run``: what a training config will need, before it runs.
+"""``selfspec train --dry-run``: what a training config will need, before it runs.
 
 The target's architecture comes from its local ``config.json`` (a folder, an alias, or the local
 Hugging Face cache) or, for the GPU recipes' targets, from :data:`KNOWN_TARGETS` (the published
@@ -136,14 +136,13 @@ def estimate(cfg, processes: int = 1, tflops: float = 200.0, tokens: int | None 
 
 
 def launch_command(config_path: str | None, cfg, processes: int, overrides: list[str]) -> str:
-    """The exact command that runs this config on ``processes`` GPUs (one process: plain python)."""
-    args = (["--config", config_path] if config_path else []) + list(overrides)
-    script = "scripts/train_heads.py " + " ".join(args)
+    """The exact command that runs this config on ``processes`` GPUs (one process: ``selfspec train``)."""
+    args = " ".join((["--config", config_path] if config_path else []) + list(overrides))
     if processes <= 1:
-        return f"python {script}"
+        return f"selfspec train {args}"
     precision = cfg.run.mixed_precision
     return (f"accelerate launch --multi_gpu --num_processes {processes} --mixed_precision {precision} "
-            f"{script}")
+            f"-m selfspec.cli train {args}")
 
 
 def report(config_path: str | None, cfg, overrides: list[str], processes: int, tflops: float) -> str:
@@ -157,7 +156,7 @@ def report(config_path: str | None, cfg, overrides: list[str], processes: int, t
         lines.append(f"time: ~{est['hours']:.2f} h for {est['dataset_tokens']:,} tokens x {cfg.optim.epochs} epochs "
                      f"on {processes} process(es) at {tflops:.0f} TFLOP/s each (an estimate, not a measurement)")
     else:
-        lines.append(f"time: unknown until the dataset exists ({cfg.dataset}: run scripts/distill_data.py first)")
+        lines.append(f"time: unknown until the dataset exists ({cfg.dataset}: run selfspec distill first)")
     lines.append("command: " + launch_command(config_path, cfg, processes, overrides))
     return "\n".join(lines) + "\n" + json.dumps(est) + "\n"
 

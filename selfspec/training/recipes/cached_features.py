@@ -39,13 +39,13 @@ from ..losses import head_loss, rank_hits
 
 @dataclass
 class HeadsTrainConfig:
-    """``scripts/train_heads.py`` config of the cached-feature kinds (YAML copies in configs/).
+    """``selfspec train`` config of the cached-feature kinds (YAML copies in configs/).
 
     Attributes:
         recipe: always ``train_heads`` (tells config files apart).
         target: target alias or path (see ``selfspec.load_target``).
         dataset: a self-distilled ``datasets`` folder or distillation output folder (its finished
-            shards), as ``scripts/distill_data.py`` writes them.
+            shards), as ``selfspec distill`` writes them.
         kind: drafter kind to train: ``medusa`` or ``layerskip``.
         medusa: head shape (kind ``medusa``).
         layerskip: exit layer and adapter (kind ``layerskip``; ``block`` trains on cached or online

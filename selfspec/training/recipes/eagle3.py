@@ -41,7 +41,7 @@ COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 
 @dataclass
 class Eagle3TrainConfig:
-    """``scripts/train_heads.py`` config for ``kind: eagle3`` (YAML copies live in configs/).
+    """``selfspec train`` config for ``kind: eagle3`` (YAML copies live in configs/).
 
     Attributes:
         recipe: always ``train_heads``.
@@ -49,7 +49,7 @@ class Eagle3TrainConfig:
         target: target alias or path.
         dataset: a distillation output folder (``shards/*.jsonl``, possibly partial), a shard
             range of one (``folder[6:]``, :func:`selfspec.training.batching.shard_selection`) or a
-            ``datasets`` folder, as written by ``scripts/distill_data.py``; or a list of those,
+            ``datasets`` folder, as written by ``selfspec distill``; or a list of those,
             trained on together (e.g. an earlier window again with a new one).
         eagle3: head shape and tree policy of the exported drafter.
         ttt_steps: K >= 1 unrolled steps of the training-time test.

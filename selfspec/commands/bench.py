@@ -1,0 +1,193 @@
+"""Benchmark selfspec drafters and transformers peers against plain decoding, side by side.
+
+    selfspec bench --questions ../shared/data/mt_bench_question.jsonl --per-category 1 \
+        --methods medusa layerskip ngram hf-greedy hf-prompt-lookup hf-early-exit:10 --out runs/bench
+
+Question files: Spec-Bench format (``question_id``, ``category``, ``turns``; multi-turn replayed
+turn by turn) or BFCL format (``question`` messages + ``function`` tools in the system message).
+Methods: selfspec drafter specs (``ngram``, ``medusa`` / ``layerskip`` = the shipped checkpoints, a
+checkpoint folder, ``kind:key=value``, ``a+b`` unions, ``spec@key=value`` policy options, ``spec#fixed``
+to draft whole trees every step (no controller decisions), ``spec%dtype`` to run it on a copy of the target
+loaded in that dtype, e.g. ``none%bfloat16`` = plain bf16 decoding, against the main ``--dtype``
+baseline) and peers on the same model through
+``transformers.generate``: ``hf-greedy``, ``hf-prompt-lookup[:N]``, ``hf-early-exit:E``.
+Writes <out>.json (args, command, summary, records), <out>.md (command + table) and
+<out>_speedup.png / <out>_acceptance.png. Finished turns are appended to <out>.partial.jsonl as
+they complete: rerun the same command with --resume after an interruption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import selfspec
+from selfspec.measurement import benchmark
+from selfspec.measurement.workloads import load_questions, take_per_category
+
+
+def distilled_ids(data_dir: Path) -> set[str]:
+    """Ids of every prompt that a distillation recipe in ``configs/`` answers (their drafters
+    trained on them), read from the recipes themselves, so it holds without the distilled data."""
+    from selfspec.training.config import load_config
+    from selfspec.training.distill import DistillJob, collect_prompts
+
+    ids: set[str] = set()
+    for path in sorted((Path(__file__).resolve().parents[2] / "configs" / "distill").glob("*.yaml")):
+        job = load_config(DistillJob, path, [f"distill.data_dir={data_dir}"])
+        if job.distill.sources.get("tools"):
+            ids |= {p["source_id"] for p in collect_prompts(job.distill) if p["source"] == "tools"}
+    return ids
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of this command (the README test parses its examples with it)."""
+    ap = argparse.ArgumentParser(prog="selfspec bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--questions", action="append", required=True, help="question file (repeatable)")
+    ap.add_argument("--model", default=selfspec.DEFAULT_TARGET)
+    ap.add_argument("--methods", nargs="+", default=["ngram"], help="method specs (see above)")
+    ap.add_argument("--limit", type=int, default=None, help="questions per file")
+    ap.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
+    ap.add_argument("--categories", nargs="+", default=None, help="only these categories (after --per-category)")
+    ap.add_argument("--first-turn-only", action="store_true")
+    ap.add_argument("--max-turns", type=int, default=None, help="first N user turns of each conversation")
+    ap.add_argument("--by-turn", action="store_true", help="also summarise per turn (turn 1 = cold caches)")
+    ap.add_argument("--constrain", choices=["tool-call"], default=None,
+                    help="tool-call: every run (baseline too) must answer with one call to the question's tools "
+                         "(grammar mask at every tree node; the baseline is constrained plain decoding)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="auto",
+                    help="target dtype: float32, bfloat16 or auto (default: bfloat16 where it runs natively and "
+                         "measures faster here, else float32; the result records the dtype it ran)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--fixed", action="store_true", help="selfspec methods draft whole trees every step")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every turn's methods N times (order rotated between rounds) and keep each "
+                         "method's median run: steadier ratios on a shared machine, at N times the cost")
+    ap.add_argument("--out", default=None, help="output path prefix (writes .json, .md, .png)")
+    ap.add_argument("--resume", action="store_true", help="skip turns already in <out>.partial.jsonl")
+    ap.add_argument("--title", default="", help="plot title")
+    ap.add_argument("--resummarise", action="store_true",
+                    help="recompute <out>.json's summary, <out>.md and plots from its stored records, run nothing")
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.resummarise:
+        with open(args.out + ".json") as f:
+            stored = json.load(f)
+        write(args.out, stored["args"], benchmark.from_rows(stored["records"]), stored.get("command", ""),
+              args.title or stored["args"].get("title", ""), stored.get("provenance"))
+        return
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.resume and not args.out:
+        ap.error("--resume needs --out")
+
+    prov = benchmark.provenance()  # the code as it is when the run starts
+    model, tokenizer = selfspec.load_target(args.model, dtype=args.dtype)
+    args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # what "auto" chose
+    questions = []
+    for path in args.questions:
+        qs = load_questions(path)
+        if Path(path).name.startswith("tool_prompts"):  # never measure on prompts a drafter was distilled on
+            distilled = distilled_ids(Path(path).parent)
+            qs = [q for q in qs if q.question_id not in distilled]
+        if args.per_category:
+            qs = take_per_category(qs, args.per_category)
+        if args.categories:
+            qs = [q for q in qs if q.category in args.categories]
+        qs = qs[: args.limit]
+        if args.first_turn_only or args.max_turns:
+            keep = 1 if args.first_turn_only else args.max_turns
+            qs = [q.__class__(q.question_id, q.category, q.turns[:keep], q.system, q.meta) for q in qs]
+        questions += qs
+    if not questions:
+        ap.error("no questions left to run (check --categories / --limit)")
+    others: dict[str, object] = {}  # dtype -> another copy of the target, for `spec%dtype` methods
+
+    def method(spec: str):
+        spec, _, dtype = spec.partition("%")
+        if not dtype:
+            return benchmark.method_from_spec(model, spec, args.model, args.fixed, tokenizer)
+        if dtype not in others:
+            others[dtype] = selfspec.load_target(args.model, dtype=dtype)[0]
+        return benchmark.OnModel(others[dtype], benchmark.method_from_spec(
+            others[dtype], spec, args.model, args.fixed, tokenizer))
+
+    methods = {spec: method(spec) for spec in args.methods}
+    partial = args.out + ".partial.jsonl" if args.out else None
+    settings = {k: vars(args)[k] for k in ("model", "max_new_tokens", "temperature", "fixed", "dtype", "constrain")}
+    if args.repeats != 1:  # (files written before --repeats existed resume as before)
+        settings["repeats"] = args.repeats
+    done = []
+    if partial and args.resume and os.path.exists(partial):
+        with open(partial) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        if not lines or lines[0].get("settings") != settings:
+            raise SystemExit(f"{partial} was written with other settings ({lines[0].get('settings') if lines else None}); "
+                             "rerun without --resume to start over")
+        done = benchmark.from_rows(lines[1:])
+        print(f"resuming: {len(done)} records from {partial}")
+    elif partial:
+        os.makedirs(os.path.dirname(partial) or ".", exist_ok=True)
+        with open(partial, "w") as f:
+            f.write(json.dumps({"settings": settings}) + "\n")
+
+    def persist(turn_records) -> None:
+        if partial:
+            with open(partial, "a") as f:
+                for row in benchmark.as_rows(turn_records):
+                    f.write(json.dumps(row) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    constrain = None
+    if args.constrain == "tool-call":
+        from selfspec.constraint import ToolCallConstraint
+
+        def constrain(q):
+            if not q.meta.get("tools"):
+                raise SystemExit(f"--constrain tool-call: question {q.question_id} offers no tools")
+            return ToolCallConstraint(q.meta["tools"], tokenizer, vocab=model.config.vocab_size)
+    records = benchmark.run(model, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, done=done, on_turn=persist, constrain=constrain,
+                            repeats=args.repeats)
+    command = "selfspec bench " + " ".join(argv or sys.argv[1:])
+    if args.out:
+        write(args.out, vars(args), records, command, args.title, prov)
+    else:
+        print(benchmark.markdown_table(benchmark.summarise(records, by_turn=args.by_turn)))
+
+
+def write(out: str, args: dict, records, command: str, title: str = "", prov: dict | None = None) -> None:
+    """Write <out>.json (args, command, provenance, summary, records), <out>.md (command + table),
+    <out>_overall.md (command + the overall rows only) and plots. ``prov``: the run's stored
+    provenance when re-summarising (default: this process's)."""
+    summary = benchmark.summarise(records, by_turn=bool(args.get("by_turn")))
+    table = benchmark.markdown_table(summary)
+    print(table)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    tmp = out + ".json.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"args": args, "command": command, "provenance": prov or benchmark.provenance(), "summary": summary,
+                   "records": benchmark.as_rows(records)}, f, indent=1)
+    os.replace(tmp, out + ".json")
+    where = benchmark.divergence_table(summary)  # (the full report only: where each greedy output left plain's)
+    with open(out + ".md", "w") as f:
+        f.write(f"`{command}`\n\n{table}\n" + (f"\n{where}\n" if where else ""))
+    overall = benchmark.markdown_table({"overall": summary["overall"]})
+    with open(out + "_overall.md", "w") as f:
+        f.write(f"`{command}`\n\n{overall}\n")
+    benchmark.plot(summary, out, title)
+
+
+if __name__ == "__main__":
+    main()
