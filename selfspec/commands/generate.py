@@ -108,13 +108,21 @@ def main(argv=None) -> None:
         print(f"controller           {spec.stats.plain_steps} of {spec.stats.steps} steps ran plain (drafting did "
               f"not pay there); verify cost curve {drafter.cost.source}")
     if args.temperature == 0:
-        print(f"identical to plain greedy ({dtype_name}): {result.identical}")
+        same = "the same as" if result.identical else "not the same as"
+        print(f"greedy check         the speculative text is {same} plain greedy decoding ({dtype_name})")
         why = divergence(model, plain.sequences, spec.sequences, ids.shape[1])
         if why is not None:
-            print(f"  first difference at new token {why.position}: plain top-2 logit margin {why.margin:.4f}, "
-                  f"rounding moves it by up to {why.rounding_gap:.4f} here (batched and tree passes) "
-                  f"({'a near-tie the dtype rounding flips' if why.explained else 'NOT explained by rounding: a bug'})")
-
+            print(f"  they part at new token {why.position}, where the two best tokens are {why.margin:.4f} apart in "
+                  f"the plain run's logits; in {dtype_name} a tree pass and a one-token pass round the same "
+                  f"numbers differently (by up to {why.rounding_gap:.4f} here), so a near-tie can fall either way "
+                  f"({'that is what happened' if why.explained else 'NOT explained by rounding: please report a bug'}).")
+        if reference is not None and drafter is not None:  # the same comparison where rounding cannot part them
+            exact = drafter_from_spec(reference, drafter_spec, args.model, tokenizer)
+            out = selfspec.generate(reference, ids, drafter=exact, **gen)
+            plain32 = result.reference.sequences
+            same32 = out.sequences.shape == plain32.shape and bool((out.sequences == plain32).all())
+            print(f"greedy check         in float32: {'identical' if same32 else 'DIFFERENT (a bug: please report)'} "
+                  "to plain float32 greedy decoding")
 
 def demo_dtype(requested: str, recommended: str | None) -> str:
     """The target dtype to load: ``requested`` unless it is ``auto``; then the recommendation's
