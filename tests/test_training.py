@@ -119,6 +119,46 @@ def test_unknown_config_key_is_named(tmp_path):
         load_config(HeadsTrainConfig, None, ["optim.lrr=1"])
 
 
+def test_config_values_take_their_field_types_or_are_refused_by_name(tmp_path):
+    cfg = load_config(HeadsTrainConfig, None, ["optim.lr=3e-4", "optim.epochs=2", "run.seed=7"])
+    assert isinstance(cfg.optim.lr, float) and cfg.optim.lr == 3e-4 and isinstance(cfg.optim.epochs, float)
+    path = tmp_path / "c.yaml"
+    path.write_text('optim:\n  lr: "3e-4"\n  warmup_steps: 10.0\n')  # YAML 1.1 reads 3e-4 as a string
+    cfg = load_config(HeadsTrainConfig, path)
+    assert cfg.optim.lr == 3e-4 and cfg.optim.warmup_steps == 10 and isinstance(cfg.optim.warmup_steps, int)
+    for bad, words in [("optim.lr=fast", ["optim.lr", "float", "'fast'"]),
+                       ("optim.warmup_steps=2.5", ["optim.warmup_steps", "int", "2.5"]),
+                       ("optim.grad_accum=true", ["optim.grad_accum", "int", "True"]),
+                       ("run.wandb_mode=[1]", ["run.wandb_mode", "str"])]:
+        with pytest.raises(ValueError) as err:
+            load_config(HeadsTrainConfig, None, [bad])
+        assert all(w in str(err.value) for w in words), (bad, str(err.value))
+
+
+def test_resume_refuses_a_changed_config_and_never_overwrites_the_stored_one(tmp_path):
+    from selfspec.checkpoint import CheckpointError
+
+    model = tiny_model("llama", vocab=64, dtype=torch.float32)
+    data = tiny_dataset(model)
+    first = recipe_for(tiny_config(tmp_path), model=model, dataset=data)
+    first.setup()
+    first.train(stop_at=6)
+    stored = (tmp_path / "run" / "config.yaml").read_text()
+    changed = load_config(HeadsTrainConfig, None, [f"run.out_dir={tmp_path / 'run'}", "run.wandb_mode=disabled",
+                                                  "optim.lr=0.5"])
+    with pytest.raises(ValueError, match="optim.lr"):
+        recipe_for(changed, model=model, dataset=data).setup(resume=True)
+    allowed = recipe_for(tiny_config(tmp_path, seed=3), model=model, dataset=data)
+    allowed.setup(resume=True, allow_config_change=True)
+    assert allowed.step == 5
+    assert (tmp_path / "run" / "config.yaml").read_text() == stored
+    assert "seed: 3" in (tmp_path / "run" / "config.resumed-5.yaml").read_text()
+    state = tmp_path / "run" / "checkpoint" / "train_state.safetensors"
+    state.write_bytes(state.read_bytes()[:100])  # truncated
+    with pytest.raises(CheckpointError, match="corrupt"):
+        recipe_for(tiny_config(tmp_path), model=model, dataset=data).setup(resume=True)
+
+
 def test_layerskip_training_lowers_loss_resumes_and_exports(tmp_path):
     """The exit adapter on a 4-layer model (exit after layer 2) learns the full model's law,
     resumes from its checkpoint, and exports a drafter whose greedy output is still exact."""

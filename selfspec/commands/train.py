@@ -30,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="selfspec train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="YAML config (configs/*.yaml)")
     ap.add_argument("--resume", action="store_true", help="continue from <run.out_dir>/checkpoint")
+    ap.add_argument("--allow-config-change", action="store_true",
+                    help="with --resume: accept a config other than the run's stored config.yaml")
     ap.add_argument("--dry-run", action="store_true", help="print the memory and time estimate and the launch "
                     "command, then exit (nothing is loaded or trained)")
     ap.add_argument("--processes", type=int, default=1, help="processes (GPUs) for --dry-run's estimate and command")
@@ -46,7 +48,7 @@ def main(argv=None) -> None:
 
         print(report(args.config, cfg, args.overrides, args.processes, args.tflops), end="")
         return
-    summary = recipes.run(cfg, resume=args.resume)
+    summary = recipes.run(cfg, resume=args.resume, allow_config_change=args.allow_config_change)
     m = summary["metrics"]
     if not m:  # not the main process: the main one reports
         return

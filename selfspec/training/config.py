@@ -1,12 +1,16 @@
 """Typed configs: dataclasses are the source of truth, YAML files in configs/ are saved copies.
 
 ``load_config(cls, path, overrides)`` reads YAML into nested dataclasses, applies dotted overrides
-(``optim.lr=3e-4``, values parsed as YAML), and rejects unknown keys with the full dotted name.
+(``optim.lr=3e-4``, values parsed as YAML), converts every value to its field's declared type
+(``"3e-4"`` to a float for a ``float`` field, ``1`` to ``1.0``, never a float to an ``int`` unless it
+is whole, never a word to a ``bool`` other than true / false) and rejects unknown keys and values
+that do not convert, naming the dotted key, the expected type and the value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,8 +34,93 @@ def from_dict(cls: type[T], data: dict, where: str = "") -> T:
         hint = hints[key]
         if dataclasses.is_dataclass(hint) and isinstance(value, dict):
             value = from_dict(hint, value, f"{where}{key}.")
+        else:
+            value = coerce(value, hint, where + key)
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", None) if typing.get_origin(hint) is None else str(hint).replace("typing.", "")
+
+
+def coerce(value, hint, key: str):
+    """``value`` as type ``hint`` (see the module docstring); ``ValueError`` naming ``key``, the
+    expected type and the value when it does not convert."""
+    def fail():
+        return ValueError(f"config key {key}: expected {_type_name(hint) or hint}, got {value!r} "
+                          f"({type(value).__name__})")
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any or isinstance(hint, typing.TypeVar):
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise fail()
+        for option in args:  # the first declared type the value converts to
+            if option is type(None):
+                continue
+            try:
+                return coerce(value, option, key)
+            except ValueError:
+                continue
+        raise fail()
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if isinstance(value, dict):
+            return from_dict(hint, value, key + ".")
+        raise fail()
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise fail()
+    if hint is int:
+        if isinstance(value, bool):
+            raise fail()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                raise fail() from None
+        raise fail()
+    if hint is float:
+        if isinstance(value, bool):
+            raise fail()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise fail() from None
+        raise fail()
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise fail()
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise fail()
+        item = args[0] if args else typing.Any
+        return [coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise fail()
+        item = args[1] if len(args) == 2 else typing.Any
+        return {k: coerce(v, item, f"{key}.{k}") for k, v in value.items()}
+    if hint is dict or hint is list:
+        if not isinstance(value, hint):
+            raise fail()
+    return value
 
 
 def to_dict(cfg) -> dict:

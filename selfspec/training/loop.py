@@ -40,7 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 import selfspec
-from selfspec.checkpoint import atomic_dir, atomic_write_text, recover_dir
+from selfspec.checkpoint import CheckpointError, atomic_dir, atomic_write_text, recover_dir
 
 from .config import dump_config
 from .state import check_export_target, read_train_state, write_train_state
@@ -206,7 +206,11 @@ class TrainingRun(ABC):
         """The prepared (possibly DDP-wrapped) trainable module: call it to train."""
         return self._module
 
-    def setup(self, resume: bool = False) -> None:
+    def setup(self, resume: bool = False, allow_config_change: bool = False) -> None:
+        """Prepare a run; with ``resume``, continue the checkpointed one. A resumed run must have the
+        stored ``config.yaml``'s config (a changed seed, learning rate or dataset would silently make
+        another run) unless ``allow_config_change``; the stored file is never overwritten (an allowed
+        change is written beside it as ``config.resumed-<step>.yaml``)."""
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -223,6 +227,10 @@ class TrainingRun(ABC):
         if not resume and checkpoint.exists():
             raise FileExistsError(f"{checkpoint} holds an earlier run: pass --resume to continue it, or set "
                                   "run.out_dir to a new folder (or delete it) to start over")
+        changed = self._config_changes() if resume else []
+        if changed and not allow_config_change:
+            raise ValueError(f"--resume with a config that differs from {self.out / 'config.yaml'} in "
+                             f"{changed}: rerun with the stored config, or pass --allow-config-change")
         set_seed(cfg.run.seed)
         if self.model is None:
             dtype = getattr(cfg, "target_dtype", None)
@@ -240,7 +248,9 @@ class TrainingRun(ABC):
         self._module, self.optimizer = self.acc.prepare(TrainModule(self.trainable, self.forward), self.optimizer)
         if resume:
             self._resume()
-        if self.acc.is_main_process:
+            if changed and self.acc.is_main_process:
+                atomic_write_text(self.out / f"config.resumed-{self.step}.yaml", dump_config(cfg))
+        elif self.acc.is_main_process:
             atomic_write_text(self.out / "config.yaml", dump_config(cfg))
         self.acc.init_trackers(cfg.run.wandb_project, config=asdict(cfg),
                                init_kwargs={"wandb": {"mode": cfg.run.wandb_mode, "dir": str(self.out)}})
@@ -330,6 +340,24 @@ class TrainingRun(ABC):
                                    "processes": self.acc.num_processes})
         self.acc.wait_for_everyone()
 
+    def _config_changes(self) -> list[str]:
+        """Dotted keys whose values differ between the stored ``config.yaml`` and this run's config."""
+        import yaml
+
+        path = self.out / "config.yaml"
+        try:
+            stored = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as err:
+            raise CheckpointError(f"--resume: the run's config {path} is missing or corrupt: {err}") from err
+        now = yaml.safe_load(dump_config(self.cfg))
+
+        def diff(a, b, where=""):
+            if isinstance(a, dict) and isinstance(b, dict):
+                return [k for key in sorted(set(a) | set(b)) for k in diff(a.get(key), b.get(key), f"{where}{key}.")]
+            return [] if a == b else [f"{where[:-1]}: {a!r} -> {b!r}"]
+
+        return diff(stored, now)
+
     def _resume(self) -> None:
         folder = self.out / "checkpoint"
         self.load_weights(selfspec.load_drafter(folder / "drafter", self.model))
@@ -348,10 +376,10 @@ class TrainingRun(ABC):
         self.acc.end_training()
 
     @classmethod
-    def run(cls, cfg, *, resume: bool = False, **given) -> dict:
+    def run(cls, cfg, *, resume: bool = False, allow_config_change: bool = False, **given) -> dict:
         """setup -> train -> export -> cleanup; returns the export summary."""
         recipe = cls(cfg, **given)
-        recipe.setup(resume=resume)
+        recipe.setup(resume=resume, allow_config_change=allow_config_change)
         recipe.train()
         summary = recipe.export()
         recipe.acc.wait_for_everyone()

@@ -47,12 +47,14 @@ def write_train_state(folder: Path, optimizer: torch.optim.Optimizer, step: int,
 
 def read_train_state(folder: Path, optimizer: torch.optim.Optimizer) -> dict:
     """Restore the optimizer from ``folder``; returns the JSON info (with ``step``)."""
+    from safetensors import SafetensorError
+
     try:
         info = json.loads((folder / STATE_JSON).read_text(encoding="utf-8"))
         tensors = load_file(str(folder / STATE_TENSORS))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"training state in {folder} is missing or corrupt: {err}") from err
-    optimizer_from_flat(optimizer, tensors, info["param_groups"])
+        optimizer_from_flat(optimizer, tensors, info["param_groups"])
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as err:
+        raise CheckpointError(f"training state in {folder} is missing or corrupt: {err!r}") from err
     return info
 
 

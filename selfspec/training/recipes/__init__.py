@@ -45,9 +45,9 @@ def recipe_for(cfg, **given):
     return _recipe_class(cfg)(cfg, **given)
 
 
-def run(cfg, *, resume: bool = False, **given) -> dict:
+def run(cfg, *, resume: bool = False, allow_config_change: bool = False, **given) -> dict:
     """setup -> train -> export -> cleanup for ``cfg``'s kind; returns the export summary."""
-    return _recipe_class(cfg).run(cfg, resume=resume, **given)
+    return _recipe_class(cfg).run(cfg, resume=resume, allow_config_change=allow_config_change, **given)
 
 
 __all__ = ["Eagle3Recipe", "Eagle3TrainConfig", "HeadsTrainConfig", "LayerSkipRecipe", "LoraSkipRecipe",
