@@ -180,14 +180,13 @@ def resolve_dtype(dtype, device: str = "cpu") -> torch.dtype:
 
 
 def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str | None = "auto", device=None,
-                allow_download: bool = False, prepack: bool | None = None, packed_attention: bool | None = None,
+                allow_download: bool | None = None, prepack: bool | None = None, packed_attention: bool | None = None,
                 skinny: bool | None = None):
     """Load a target model and its tokenizer.
 
     Args:
         name_or_path: an alias (see :data:`ALIASES`), a local HF folder, a local ``.gguf`` file,
-            or a hub id (found in the local Hugging Face cache; downloaded only with
-            ``allow_download=True``).
+            or a hub id (from the local Hugging Face cache, or downloaded as transformers does).
         dtype: parameter dtype (a torch dtype or its name; GGUF files are dequantised to it).
             Default ``"auto"``: the fastest setting here, bfloat16 where this hardware runs it
             natively and it measures faster (:func:`bf16_faster_here`), else float32. In bf16,
@@ -196,7 +195,8 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
             ``"float32"`` (or ``None``) where token identity with float32 decoding matters
             (training, the exactness tests).
         device: default ``"cuda"`` when available, else ``"cpu"``.
-        allow_download: let a hub id download (off by default: nothing is fetched at run time).
+        allow_download: ``None`` (default): as transformers does, download a hub id missing from
+            the cache unless ``HF_HUB_OFFLINE`` is set; ``False``: the local cache only.
         prepack: reorder the linear layers' weights once into oneDNN's layout
             (:mod:`selfspec.prepack`): a bf16 tree pass then costs about one decode step. Default:
             wherever it is available (a bf16 model on a CPU with native bf16); ``True`` where it
@@ -235,16 +235,18 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
         raise ValueError(f"skinny=True needs a float32 model on a CPU; got {str(dtype).removeprefix('torch.')} on {device}")
     where, gguf_file = resolve(name_or_path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    if not allow_download:
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    if allow_download is False or offline:
         kwargs["local_files_only"] = True
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs)
     except OSError as err:
         known = ", ".join(sorted(ALIASES))
-        how = ("the hub could not provide it" if allow_download else
-               "it is not in the local Hugging Face cache (selfspec does not download at run time; "
-               "pass allow_download=True to fetch it)")
+        how = ("it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set (unset it to download)"
+               if offline and allow_download is not False else
+               "it is not in the local Hugging Face cache (allow_download=False)" if allow_download is False else
+               "the hub could not provide it (a typo, a gated model without a token, or no network)")
         raise OSError(
             f"could not load target {name_or_path!r}: not an alias ({known}), a local folder or "
             f".gguf file, and {how} ({err})"

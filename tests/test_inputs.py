@@ -144,11 +144,16 @@ def test_stream_works_with_transformers_text_streamer(capsys):
     assert printed.strip() == "".join(f"<{i}>" for i in out.sequences[0, 4:].tolist())
 
 
-def test_load_target_never_downloads_unless_asked(monkeypatch):
-    """A hub id that is not in the local cache fails fast with a clear message, never fetching."""
+def test_load_target_honours_offline_mode(monkeypatch):
+    """A hub id missing from the local cache fails fast with a message naming why, never fetching,
+    when HF_HUB_OFFLINE is set (the tests' setting) or allow_download=False."""
     monkeypatch.setenv("HF_HUB_CACHE", "/nonexistent-selfspec-cache")
-    with pytest.raises(OSError, match="allow_download=True"):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError, match="HF_HUB_OFFLINE is set"):
         selfspec.load_target("selfspec-test-org/no-such-model", dtype="float32")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(OSError, match="allow_download=False"):
+        selfspec.load_target("selfspec-test-org/no-such-model", dtype="float32", allow_download=False)
 
 
 def test_a_caller_kept_controller_learns_across_calls_and_a_fresh_one_is_made_otherwise():

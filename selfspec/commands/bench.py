@@ -24,7 +24,6 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import selfspec
 from selfspec.measurement import benchmark

@@ -19,7 +19,6 @@ import json
 import os
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from tqdm import tqdm
@@ -114,7 +113,8 @@ def parser() -> argparse.ArgumentParser:
     """The command line of this command (the README test parses its examples with it)."""
     ap = argparse.ArgumentParser(prog="selfspec calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
-    ap.add_argument("--target", default=selfspec.DEFAULT_TARGET)
+    ap.add_argument("--model", "--target", dest="target", default=selfspec.DEFAULT_TARGET,
+                    help="the target: alias, local folder, .gguf file or hub id")
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts")
     ap.add_argument("--dtype", default="auto", help="target dtype: float32, bfloat16 or auto")
     ap.add_argument("--new-tokens", type=int, default=96)

@@ -8,8 +8,6 @@ Resumable: rerun the same command after an interruption and finished shards are 
 from __future__ import annotations
 
 import argparse
-import os
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import selfspec
 from selfspec.training.config import load_config
@@ -20,12 +18,15 @@ def parser() -> argparse.ArgumentParser:
     """The command line of this command (the README test parses its examples with it)."""
     ap = argparse.ArgumentParser(prog="selfspec distill", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None)
+    ap.add_argument("--model", default=None, help="the target (alias, folder, .gguf file or hub id): same as target=...")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. distill.batch_size=8")
     return ap
 
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
+    if args.model:
+        args.overrides.append(f"target={args.model}")
     job = load_config(DistillJob, args.config, args.overrides)
     import torch
 

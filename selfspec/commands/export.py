@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
@@ -28,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("checkpoint", help="a selfspec drafter checkpoint folder")
     ap.add_argument("--format", required=True, choices=FORMATS)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--target", default=None, help="target alias or path (default: the one recorded in training)")
+    ap.add_argument("--model", "--target", dest="target", default=None,
+                    help="target alias, path or hub id (default: the one recorded in training)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder (never a checkpoint)")
     return ap

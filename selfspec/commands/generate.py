@@ -14,9 +14,7 @@ the speedup is reported against both plain runs (a faster dtype is not credited 
 from __future__ import annotations
 
 import argparse
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import selfspec
 from selfspec.chat import encode_chat

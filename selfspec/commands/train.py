@@ -17,9 +17,7 @@ Interrupted? Rerun the same command with --resume: training continues from the l
 from __future__ import annotations
 
 import argparse
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from selfspec.training import recipes
 from selfspec.training.jobs import load_any
@@ -36,12 +34,15 @@ def parser() -> argparse.ArgumentParser:
                     "command, then exit (nothing is loaded or trained)")
     ap.add_argument("--processes", type=int, default=1, help="processes (GPUs) for --dry-run's estimate and command")
     ap.add_argument("--tflops", type=float, default=200.0, help="assumed sustained TFLOP/s per process (--dry-run)")
+    ap.add_argument("--model", default=None, help="the target (alias, folder, .gguf file or hub id): same as target=...")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 run.wandb_mode=disabled")
     return ap
 
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
+    if args.model:
+        args.overrides.append(f"target={args.model}")
     cfg = load_any(args.config, args.overrides, default_recipe="train_heads")
     if args.dry_run:
         from selfspec.training.dry_run import report
