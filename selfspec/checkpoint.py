@@ -178,8 +178,11 @@ def read_checkpoint(path) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, weights
 
 
-def check_target(meta: dict, model, path) -> None:
-    """Refuse a checkpoint whose recorded target differs from ``model``."""
+def check_target(meta: dict, model, path, strict: bool = True) -> None:
+    """Refuse a checkpoint whose recorded target differs from ``model``: another architecture,
+    shape or vocabulary always; other weights of the same shape unless ``strict=False`` (then a
+    warning: a head trained on one model's hidden states may still draft for a fine-tune of it, and
+    its measured acceptance is the judge; the output stays exact either way)."""
     try:
         want = TargetIdentity(**meta["target"])
     except (KeyError, TypeError) as err:
@@ -190,10 +193,14 @@ def check_target(meta: dict, model, path) -> None:
         raise CheckpointError(str(err)) from None
     have = target_fingerprint(model)
     if have != want.fingerprint:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} was trained on another target: weight fingerprint {want.fingerprint}, "
-            f"this model has {have} (same architecture, different weights)"
-        )
+        msg = (f"checkpoint {str(path)!r} was trained on another target: weight fingerprint {want.fingerprint}, "
+               f"this model has {have} (same architecture, different weights)")
+        if strict:
+            raise CheckpointError(msg + "; load_drafter(..., strict=False) loads it anyway")
+        import warnings
+
+        warnings.warn(msg + ": loaded with strict=False; its drafts may be accepted less often (the output "
+                      "is exact either way): measure it with selfspec bench", RuntimeWarning, stacklevel=3)
 
 
 def adapter_state(weights: dict, prefix: str, expected: dict) -> dict:

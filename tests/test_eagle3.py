@@ -371,10 +371,17 @@ def test_checkpoint_round_trip_and_foreign_targets(tmp_path):
         want = v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v
         assert half.head.state_dict()[k].dtype == v.dtype and torch.equal(half.head.state_dict()[k], want), k
     other = tiny_model("llama", layers=5, seed=9)
-    with pytest.raises(CheckpointError, match="another target"):
+    with pytest.raises(CheckpointError, match="another target.*strict=False"):
         load_drafter(tmp_path / "d", other)
+    with pytest.warns(RuntimeWarning, match="strict=False"):  # same shape, other weights: loads, warns
+        loose = load_drafter(tmp_path / "d", other, strict=False)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(selfspec.generate(other, prompt, drafter=loose, max_new_tokens=12).sequences,
+                       other.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0))  # still exact
     with pytest.raises(CheckpointError):
         load_drafter(tmp_path / "d", tiny_model("qwen3"))
+    with pytest.raises(CheckpointError):  # another architecture even when not strict
+        load_drafter(tmp_path / "d", tiny_model("qwen3"), strict=False)
 
 
 

@@ -24,11 +24,13 @@ def build_drafter(model, kind: str, **options) -> Drafter:
     return kind_entry(kind).builder(model, **options)
 
 
-def load_drafter(path, model) -> Drafter:
+def load_drafter(path, model, *, strict: bool = True) -> Drafter:
     """Load a drafter checkpoint folder for ``model``.
 
     Raises ``selfspec.checkpoint.CheckpointError`` (a ``ValueError``) when the folder is missing,
-    partial or corrupt, holds an unknown kind, or was made for another target.
+    partial or corrupt, holds an unknown kind, or was made for another target (another
+    architecture, shape or vocabulary always; other weights of the same shape unless
+    ``strict=False``, which loads it with a warning).
     """
     from ..checkpoint import CheckpointError, check_target, read_checkpoint
 
@@ -36,7 +38,7 @@ def load_drafter(path, model) -> Drafter:
     kind = meta.get("kind")
     if kind not in kinds(trainable=True):
         raise CheckpointError(f"{str(path)!r} holds a drafter of unknown kind {kind!r}; known: {kinds(trainable=True)}")
-    check_target(meta, model, path)
+    check_target(meta, model, path, strict=strict)
     try:
         return kind_entry(kind).from_checkpoint(model, meta, weights)
     except (ValueError, TypeError) as err:  # bad stored config (a dataclass refuses unknown fields)
