@@ -1,4 +1,4 @@
-"""Export trained drafters in the layouts serving engines load.
+"""Serving-engine layouts: export trained drafters in them, and import heads written in them.
 
 * ``eagle3``: the EAGLE-3 draft layout of vLLM (``speculative_config={"method": "eagle3",
   "model": DIR}``, ``Eagle3LlamaForCausalLM`` / ``LlamaForCausalLMEagle3``) and SGLang
@@ -19,8 +19,22 @@
   residual blocks ``x + SiLU(W x + b)`` (``medusa_fc_bias: true``) and ``lm_heads.{i}.weight`` (the
   target's LM head repeated for shared heads).
 
+* ``speculators``: the format of vLLM's ``speculators`` library, which ``vllm serve DIR`` reads
+  directly: the same tensors with the layer under ``layers.0.`` and a config with
+  ``speculators_model_type: eagle3``, ``transformer_layer_config`` (the draft layer),
+  ``draft_vocab_size``, ``eagle_aux_hidden_state_layer_ids`` and ``speculators_config`` (algorithm,
+  proposal method, verifier: the target's name or path).
+
 Engines serve EAGLE-3 heads only on targets whose model class records aux hidden states and a
 llama-style draft layer with SiLU MLP; anything else is refused with a clear error.
+
+Import (:func:`import_drafter`, what ``load_drafter`` does with a folder that has a ``config.json``
+and no ``drafter.json``): an EAGLE-3 head in the vLLM / SGLang layout or the ``speculators``
+format, and Medusa heads in vLLM's layout, from safetensors only (pickled ``.bin`` weights are
+refused). The head must fit the target: its vocabulary, hidden size, draft-layer shape; its taps
+are the folder's (or the engines' default). Such a head carries no weight fingerprint: what it was
+trained on is its authors' word, and its measured acceptance the judge (exactness never depends
+on it). The imported drafter drafts what the exported one did (round-trip test).
 """
 
 from __future__ import annotations
@@ -39,7 +53,7 @@ from .drafters.medusa import MedusaDrafter
 #: Target families whose vLLM / SGLang model classes capture EAGLE-3 aux hidden states (llama-style
 #: decoders); the draft layer is always llama-style.
 EAGLE3_TARGETS = ("llama", "mistral", "qwen2", "qwen3")
-FORMATS = ("eagle3", "medusa")
+FORMATS = ("eagle3", "speculators", "medusa")
 
 
 class ExportError(ValueError):
@@ -64,6 +78,13 @@ def export_drafter(drafter, out_dir: str | os.PathLike, fmt: str, *, dtype: torc
     from .drafters.registry import kind_entry, resolve
 
     entry = kind_entry(drafter.kind)
+    if fmt == "speculators" and drafter.kind == "eagle3":
+        config, tensors = speculators_layout(drafter, dtype, target_path)
+        with atomic_dir(out) as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
+            atomic_write_text(tmp / "config.json", json.dumps(config, indent=2))
+        return out
     if entry.exporter is None or entry.export_format != fmt:
         raise ExportError(f"--format {fmt} exports {fmt} drafters, not {drafter.kind!r}"
                           + (f" (a {drafter.kind} drafter exports as --format {entry.export_format})"
@@ -144,3 +165,167 @@ def medusa_layout(drafter: MedusaDrafter, dtype: torch.dtype) -> tuple[dict, dic
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     return config, tensors
+
+
+def speculators_layout(drafter: Eagle3Drafter, dtype: torch.dtype, target_path: str | None = None
+                       ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(config.json dict, tensors)`` of an EAGLE-3 head in the ``speculators`` format."""
+    config, tensors = eagle3_layout(drafter, dtype)
+    layer = {k: v for k, v in config.items() if k not in (
+        "architectures", "draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_config",
+        "eagle_aux_hidden_state_layer_ids", "torch_dtype")}
+    target = target_path or getattr(drafter.model.config, "_name_or_path", None) or "unknown"
+    arch = list(getattr(drafter.model.config, "architectures", None) or [type(drafter.model).__name__])
+    spec = {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
+        "transformer_layer_config": layer, "draft_vocab_size": config["draft_vocab_size"],
+        "norm_before_residual": False, "target_hidden_size": config["target_hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"],
+        "torch_dtype": config["torch_dtype"],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": target, "architectures": arch},
+        },
+    }
+    return spec, {(f"layers.0.{k.removeprefix('midlayer.')}" if k.startswith("midlayer.") else k): v
+                  for k, v in tensors.items()}
+
+
+# ---------------------------------------------------------------- import
+def _read_layout(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from .checkpoint import CheckpointError
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{folder}: no readable config.json ({err})") from None
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+        raise CheckpointError(f"{folder}: no .safetensors weights" + (
+            f" ({pickled} are pickles, which selfspec never loads: convert them to safetensors)" if pickled else ""))
+    tensors = {}
+    for f in files:
+        try:
+            tensors |= load_file(str(f))
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{f} is corrupt or truncated: {err}") from None
+    return config, tensors
+
+
+def import_drafter(folder, model):
+    """A drafter for ``model`` from a head folder in a serving layout (see the module docstring);
+    ``CheckpointError`` naming what does not fit."""
+    from .checkpoint import CheckpointError
+
+    folder = Path(folder)
+    config, tensors = _read_layout(folder)
+    try:
+        if config.get("speculators_model_type") == "eagle3":
+            layer = dict(config.get("transformer_layer_config") or {})
+            return _import_eagle3(model, config, layer, tensors, config.get("eagle_aux_hidden_state_layer_ids"))
+        archs = " ".join(config.get("architectures") or [])
+        if "Eagle3" in archs or "eagle3" in archs.lower() or "d2t" in tensors:
+            ids = config.get("eagle_aux_hidden_state_layer_ids")
+            sglang = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            taps = ids if ids is not None else ([k + 1 for k in sglang] if sglang is not None else None)
+            return _import_eagle3(model, config, config, tensors, taps)
+        if config.get("model_type") == "medusa" or "MedusaModel" in archs:
+            return _import_medusa(model, config, tensors)
+    except (ValueError, RuntimeError, KeyError, TypeError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"{folder}: {err}") from None
+    raise CheckpointError(f"{folder}: not a selfspec checkpoint (no drafter.json) nor a head layout selfspec "
+                          f"imports (EAGLE-3 vLLM / SGLang / speculators, Medusa vLLM); architectures {archs!r}")
+
+
+def _import_eagle3(model, config: dict, layer: dict, tensors: dict, taps) -> Eagle3Drafter:
+    import warnings
+
+    from .drafters import build_drafter
+    from .drafters.eagle3_head import default_taps, draft_layer_config
+
+    target = model.config.get_text_config(decoder=True)
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        if config.get(flag):
+            raise ValueError(f"this head sets {flag}, a variant selfspec's EAGLE-3 layer does not compute")
+    if int(layer.get("vocab_size", config.get("vocab_size", target.vocab_size))) != int(target.vocab_size):
+        raise ValueError(f"the head's target vocabulary ({layer.get('vocab_size')}) is not this model's "
+                         f"({target.vocab_size})")
+    if int(config.get("target_hidden_size") or layer.get("hidden_size")) != int(target.hidden_size):
+        raise ValueError(f"the head reads hidden states of size {config.get('target_hidden_size')}, this model's "
+                         f"are {target.hidden_size}")
+    d2t = tensors.get("d2t")
+    vd = int(config.get("draft_vocab_size") or (d2t.shape[0] if d2t is not None else tensors["lm_head.weight"].shape[0]))
+    taps = list(taps) if taps is not None else default_taps(int(target.num_hidden_layers))
+    ours = draft_layer_config(model, layer.get("intermediate_size"))
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        if key in layer and layer[key] is not None and int(layer[key]) != int(getattr(ours, key)):
+            raise ValueError(f"the head's draft layer has {key} {layer[key]}, selfspec builds {getattr(ours, key)} "
+                             "for this target")
+    if layer.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"the head's MLP uses {layer['hidden_act']!r}; the EAGLE-3 layer is SiLU")
+    theta = layer.get("rope_theta") or (layer.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None and float(theta) != float(ours.rope_parameters.get("rope_theta", theta)):
+        warnings.warn(f"the head was configured with rope_theta {theta}, the target uses "
+                      f"{ours.rope_parameters.get('rope_theta')}: selfspec drafts with the target's", RuntimeWarning,
+                      stacklevel=3)
+    drafter = build_drafter(model, "eagle3", taps=taps, draft_vocab_size=vd,
+                            intermediate_size=layer.get("intermediate_size"))
+    head = drafter.head
+    state = {}
+    for k, v in tensors.items():
+        if k.startswith("embed_tokens."):
+            continue  # the engines share the target's embedding; so does selfspec
+        name = "midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k
+        state[name] = v
+    d2t = state.pop("d2t", None)
+    state.pop("t2d", None)
+    want = head.state_dict()
+    param = next(model.parameters())
+    state["tap_scale"] = torch.ones_like(want["tap_scale"])  # exports fold the scale into fc
+    state["d2t"], state["t2d"] = want["d2t"], want["t2d"]
+    missing, unexpected = set(want) - set(state), set(state) - set(want)
+    if missing or unexpected:
+        raise ValueError(f"the head's tensors do not match an EAGLE-3 layer: missing {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]}")
+    head.load_state_dict({k: v.to(param.device, want[k].dtype) for k, v in state.items()})
+    head.set_vocab(torch.arange(vd) + (d2t.to(torch.long) if d2t is not None else 0))
+    drafter._draft_ids = head.draft_ids.to("cpu")
+    return drafter
+
+
+def _import_medusa(model, config: dict, tensors: dict):
+    from .drafters import build_drafter
+
+    target = model.config.get_text_config(decoder=True)
+    if int(config.get("hidden_size", target.hidden_size)) != int(target.hidden_size):
+        raise ValueError(f"the heads read hidden states of size {config.get('hidden_size')}, this model's are "
+                         f"{target.hidden_size}")
+    if int(config.get("truncated_vocab_size") or config.get("vocab_size") or target.vocab_size) != int(target.vocab_size):
+        raise ValueError("truncated-vocabulary Medusa heads are not supported: the heads must cover the target's vocabulary")
+    k, layers = int(config["num_heads"]), int(config.get("num_hidden_layers", 1))
+    lm = model.get_output_embeddings().weight
+    shared = all(torch.equal(tensors[f"lm_heads.{i}.weight"].to(lm.dtype), lm.detach().cpu())
+                 for i in range(k) if f"lm_heads.{i}.weight" in tensors)
+    drafter = build_drafter(model, "medusa", num_heads=k, num_layers=layers, own_lm_head=not shared)
+    state = {}
+    for name, v in tensors.items():
+        if name.startswith("blocks."):
+            _, i, _, j, leaf = name.split(".")
+            state[f"blocks.{i}.{j}.linear.{leaf}"] = v
+        elif name.startswith("lm_heads.") and not shared:
+            state[name] = v
+    want = drafter.heads.state_dict()
+    if set(want) != set(state):
+        raise ValueError(f"the heads' tensors do not match {k} heads of {layers} block(s): missing "
+                         f"{sorted(set(want) - set(state))[:4]}, unexpected {sorted(set(state) - set(want))[:4]}")
+    param = next(model.parameters())
+    drafter.heads.load_state_dict({n: v.to(param.device, want[n].dtype) for n, v in state.items()})
+    return drafter

@@ -748,6 +748,13 @@ def test_medusa_export_layout(tmp_path):
     for j in range(2):  # vLLM's ResidualBlock: x + SiLU(W x + b), then lm_heads[i]
         x = x + torch.nn.functional.silu(x @ t[f"blocks.1.layers.{j}.weight"].T + t[f"blocks.1.layers.{j}.bias"])
     torch.testing.assert_close(x @ t["lm_heads.1.weight"].T, drafter.heads.logits(model, h)[:, 1])
+    with torch.no_grad():  # import: vLLM's layout back into selfspec, the same heads
+        for p in drafter.heads.parameters():
+            p.normal_(0, 0.1)
+    out = export_drafter(drafter, tmp_path / "m2", "medusa", dtype=torch.float64)
+    loaded = load_drafter(out, model)
+    assert loaded.kind == "medusa" and loaded.heads.lm_heads is None  # shared LM head recognised
+    torch.testing.assert_close(loaded.heads.logits(model, h), drafter.heads.logits(model, h), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- bfloat16
@@ -841,3 +848,49 @@ def test_taps_ignore_another_threads_forward_of_the_same_model():
         t.start()
         t.join()
     torch.testing.assert_close(rec.get(), alone.get(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_exported_heads_import_and_draft_the_same(tmp_path, fmt):
+    """Export (vLLM / SGLang layout or speculators format), import with load_drafter: the same draft
+    logits and vocabulary, exact greedy output; a foreign vocabulary, a pickle-only folder and a
+    head variant selfspec does not compute are refused by name."""
+    import json
+
+    from selfspec.checkpoint import CheckpointError
+    from selfspec.export import export_drafter
+
+    model = tiny_model("llama", layers=6)
+    drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32))
+    drafter.head.set_vocab(torch.arange(1, 64, 2))
+    drafter.head.tap_scale.uniform_(0.5, 4.0)  # folded into fc on export
+    drafter._draft_ids = drafter.head.draft_ids
+    out = export_drafter(drafter, tmp_path / "e", fmt, dtype=torch.float64, target_path="tiny")
+    config = json.loads((out / "config.json").read_text())
+    if fmt == "speculators":
+        assert config["speculators_model_type"] == "eagle3" and config["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+    loaded = load_drafter(out, model)
+    assert loaded.kind == "eagle3" and list(loaded.requires.taps) == list(drafter.requires.taps)
+    assert torch.equal(loaded._draft_ids, drafter._draft_ids)
+    seq = PROMPT[0]
+    with capture_taps(model, list(drafter.requires.taps)) as rec:
+        model(seq[None])
+    n = seq.shape[0] - 1
+    torch.testing.assert_close(loaded.head.logits(loaded.catch_up(seq, rec.get()[0, :n])),
+                               drafter.head.logits(drafter.catch_up(seq, rec.get()[0, :n])), rtol=1e-9, atol=1e-9)
+    reference = model.generate(PROMPT, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(selfspec.generate(model, PROMPT, drafter=loaded, max_new_tokens=24).sequences, reference)
+    with pytest.raises(CheckpointError, match="vocabulary"):
+        load_drafter(out, tiny_model("llama", layers=6, vocab=96))
+    bad = tmp_path / "variant"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(config | {"norm_before_residual": True}))
+    (bad / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="norm_before_residual"):
+        load_drafter(bad, model)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps(config))
+    (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="pickles"):
+        load_drafter(pickled, model)

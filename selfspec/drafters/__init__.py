@@ -27,12 +27,22 @@ def build_drafter(model, kind: str, **options) -> Drafter:
 def load_drafter(path, model, *, strict: bool = True) -> Drafter:
     """Load a drafter checkpoint folder for ``model``.
 
+    A folder with a ``config.json`` and no ``drafter.json`` is a head in a serving layout (EAGLE-3
+    for vLLM / SGLang or ``speculators``, Medusa for vLLM): it is imported
+    (:func:`selfspec.export.import_drafter`).
+
     Raises ``selfspec.checkpoint.CheckpointError`` (a ``ValueError``) when the folder is missing,
     partial or corrupt, holds an unknown kind, or was made for another target (another
     architecture, shape or vocabulary always; other weights of the same shape unless
     ``strict=False``, which loads it with a warning).
     """
-    from ..checkpoint import CheckpointError, check_target, read_checkpoint
+    from ..checkpoint import CONFIG_FILE, CheckpointError, check_target, read_checkpoint
+
+    folder = Path(path)
+    if folder.is_dir() and not (folder / CONFIG_FILE).exists() and (folder / "config.json").exists():
+        from ..export import import_drafter
+
+        return import_drafter(folder, model)
 
     meta, weights = read_checkpoint(path)
     kind = meta.get("kind")
