@@ -26,6 +26,7 @@ MIN_TRANSFORMERS = (5, 24)
 _check_transformers()
 
 from .control import ControlConfig, Controller
+from .custom_generate import custom_generate
 from .drafters import DraftContext, Drafter, TargetSignature, build_drafter, load_drafter, register, save_drafter
 from .engine import SpecOutput, SpecStream, generate, stream
 from .loading import DEFAULT_TARGET, load_target
@@ -37,7 +38,7 @@ from .verify import Verdict, verify_tree
 
 __all__ = [
     "ControlConfig", "Controller", "DEFAULT_TARGET", "DraftContext", "DraftTree", "Drafter", "Law", "PrefixCache", "SamplingConfig", "SpecOutput",
-    "SpecStats", "SpecStream", "TargetSignature", "TreeBuilder", "TreeTemplate", "Verdict", "build_drafter",
+    "SpecStats", "SpecStream", "TargetSignature", "TreeBuilder", "TreeTemplate", "Verdict", "build_drafter", "custom_generate",
     "generate", "load_drafter", "load_target", "register", "save_drafter", "stream", "verify_tree",
 ]
 __version__ = "0.1.0"

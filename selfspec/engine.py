@@ -25,6 +25,7 @@ import torch
 
 from .control import ControlConfig, Controller
 from .drafters.base import DraftContext, Drafter
+from .logits_processing import first_stop, process_tree
 from .metrics import SpecStats
 from .sampling import SamplingConfig
 from .target import TreeTarget, context_length
@@ -39,7 +40,8 @@ class SpecOutput:
     Attributes:
         sequences: ``[1, L + new]`` prompt followed by the new tokens.
         stats: step counts, mean accepted length, acceptance per depth, timings.
-        finish_reason: ``"eos"``, ``"length"`` (``max_new_tokens`` reached) or ``"context"``.
+        finish_reason: ``"eos"``, ``"stop"`` (a stopping criterion or stop string), ``"length"``
+            (``max_new_tokens`` reached) or ``"context"``.
     """
 
     sequences: torch.Tensor
@@ -52,10 +54,10 @@ def generate(
     input_ids,
     *,
     drafter: "Drafter | Sequence[Drafter] | Controller | None" = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     generator: torch.Generator | None = None,
     eos_token_id: int | Iterable[int] | None = None,
@@ -64,6 +66,11 @@ def generate(
     prefix_cache=None,
     tools=None,
     constraint=None,
+    generation_config=None,
+    logits_processor=None,
+    stopping_criteria=None,
+    stop_strings=None,
+    tokenizer=None,
 ) -> SpecOutput:
     """Generate from a transformers causal LM, speculatively when a drafter is given.
 
@@ -75,9 +82,15 @@ def generate(
             controller runs each alone, their merge or plain steps, whichever it measures fastest),
             or a :class:`selfspec.control.Controller` that keeps what it learnt across calls;
             ``None`` decodes one token per step.
-        max_new_tokens: most tokens to generate (>= 1).
+        max_new_tokens: most tokens to generate (>= 1; default: the generation config's
+            ``max_new_tokens``, else 128).
         temperature: 0 for greedy; > 0 samples. ``top_k`` (0 = off) and ``top_p`` (1 = off) filter
-            the target's law exactly as plain sampling does.
+            the target's law exactly as plain sampling does. When none of the three is given,
+            sampling follows ``generation_config`` (default: the model's own
+            ``model.generation_config``) as ``model.generate`` applies it (``do_sample``,
+            temperature, top-k, top-p, min-p, repetition penalty, n-gram ban); when any is given,
+            they define sampling (unset ones off) and the config's repetition penalty and n-gram
+            ban still apply.
         seed / generator: randomness for sampling (give at most one); a fresh random seed if none.
         eos_token_id: stop token(s); defaults to ``model.generation_config.eos_token_id``.
         control: how a fresh controller decides (:class:`selfspec.control.ControlConfig`;
@@ -97,13 +110,23 @@ def generate(
         constraint: a :class:`selfspec.constraint.Constraint` (e.g. ``ToolCallConstraint``): its
             token mask is applied to the target's logits at every tree node, so the output equals
             constrained plain decoding (``drafter=None`` with the same constraint) exactly.
+        generation_config: a transformers ``GenerationConfig`` (see ``temperature``).
+        logits_processor: transformers logits processors (a list or ``LogitsProcessorList``),
+            applied at every tree node with that node's own path as ``input_ids``, so the output
+            law is that of plain decoding with the same processors
+            (:mod:`selfspec.logits_processing`; processors must be functions of their inputs).
+        stopping_criteria: transformers stopping criteria, asked after every new token; the
+            output ends at the first token where one says stop (``finish_reason`` ``"stop"``).
+        stop_strings / tokenizer: stop when the text ends with one of these strings
+            (transformers' ``StopStringCriteria``; needs the tokenizer).
 
     Raises:
         ValueError: bad sampling parameters, empty / batched / out-of-vocabulary / over-long
             prompt, ``max_new_tokens < 1``, or a drafter built for another model.
     """
     run = _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, generator,
-                   eos_token_id, control, prefix_cache, tools, constraint)
+                   eos_token_id, control, prefix_cache, tools, constraint, generation_config, logits_processor,
+                   stopping_criteria, stop_strings, tokenizer)
     out = decode(**run, streamer=streamer)
     out.sequences = out.sequences.to(input_ids.device if torch.is_tensor(input_ids) else "cpu")
     return out
@@ -237,10 +260,13 @@ def _check_constraint(constraint) -> None:
 
 
 def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, generator,
-             eos_token_id, control=None, prefix_cache=None, tools=None, constraint=None) -> dict:
+             eos_token_id, control=None, prefix_cache=None, tools=None, constraint=None, generation_config=None,
+             logits_processor=None, stopping_criteria=None, stop_strings=None, tokenizer=None) -> dict:
     """Check every argument of :func:`generate` and return ``decode``'s arguments."""
     _check_constraint(constraint)
-    cfg = SamplingConfig(temperature, top_k, top_p)
+    cfg, processors, max_new_tokens = _sampling(model, generation_config, temperature, top_k, top_p, max_new_tokens)
+    processor = _processor_list(processors, logits_processor)
+    stopping = _stopping(stopping_criteria, stop_strings, tokenizer)
     device = next(model.parameters()).device
     ids = _check_prompt(model, input_ids)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -265,7 +291,55 @@ def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_
     limit = context_length(model) or ids.shape[0] + max_new_tokens
     return dict(target=target, ids=ids, controller=controller, cfg=cfg, gen=gen, max_new_tokens=max_new_tokens,
                 eos=eos, context_limit=limit, prefix_cache=prefix_cache, constraint=constraint, tools=tools,
-                lock=model_lock(model))
+                lock=model_lock(model), logits_processor=processor, stopping_criteria=stopping)
+
+
+def _sampling(model, generation_config, temperature, top_k, top_p, max_new_tokens):
+    """``(SamplingConfig, processors, max_new_tokens)`` from the explicit arguments and the
+    generation config (see :func:`generate`)."""
+    from .logits_processing import from_generation_config
+
+    gc = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    if generation_config is not None and not hasattr(generation_config, "do_sample"):
+        raise ValueError(f"generation_config must be a transformers GenerationConfig, got {type(generation_config).__name__}")
+    if max_new_tokens is None:
+        max_new_tokens = getattr(gc, "max_new_tokens", None) or 128
+    if gc is None:
+        return SamplingConfig(temperature or 0.0, top_k or 0, 1.0 if top_p is None else top_p), [], max_new_tokens
+    from_config, processors = from_generation_config(gc)
+    if temperature is None and top_k is None and top_p is None:
+        return from_config, processors, max_new_tokens
+    cfg = SamplingConfig(0.0 if temperature is None else temperature, top_k or 0, 1.0 if top_p is None else top_p)
+    kept = [p for p in processors if type(p).__name__ in ("RepetitionPenaltyLogitsProcessor",
+                                                          "NoRepeatNGramLogitsProcessor")]
+    return cfg, kept, max_new_tokens
+
+
+def _processor_list(processors: list, given):
+    if given is None and not processors:
+        return None
+    from transformers import LogitsProcessorList
+
+    given = list(given) if given is not None else []
+    for p in given:
+        if not callable(p):
+            raise ValueError(f"logits_processor entries must be transformers LogitsProcessors, got {type(p).__name__}")
+    return LogitsProcessorList(processors + given)
+
+
+def _stopping(criteria, stop_strings, tokenizer):
+    if criteria is None and not stop_strings:
+        return None
+    from transformers import StoppingCriteriaList
+
+    out = StoppingCriteriaList(list(criteria) if criteria is not None else [])
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings need tokenizer= (the target's tokenizer)")
+        from transformers.generation.stopping_criteria import StopStringCriteria
+
+        out.append(StopStringCriteria(tokenizer, [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)))
+    return out
 
 
 def controller_for(drafter, control) -> Controller | None:
@@ -318,6 +392,8 @@ def decode(
     constraint=None,
     tools=None,
     lock=None,
+    logits_processor=None,
+    stopping_criteria=None,
 ) -> SpecOutput:
     """The speculative loop over an already validated prompt.
 
@@ -329,15 +405,16 @@ def decode(
     ``end()``. ``prefix_cache`` (optional): reuse and store the target's committed state across
     calls (:mod:`selfspec.prefix_cache`). ``constraint`` (optional): a token mask applied at every
     tree node before verification (:mod:`selfspec.constraint`). ``lock`` (optional): held for the
-    whole generation (:func:`model_lock`).
+    whole generation (:func:`model_lock`). ``logits_processor`` / ``stopping_criteria`` (optional):
+    applied per tree node / after every new token (:mod:`selfspec.logits_processing`).
     """
     with lock if lock is not None else contextlib.nullcontext():
         return _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit, clock, streamer,
-                       prefix_cache, constraint, tools)
+                       prefix_cache, constraint, tools, logits_processor, stopping_criteria)
 
 
 def _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit, clock, streamer, prefix_cache,
-            constraint, tools) -> SpecOutput:
+            constraint, tools, processor=None, stopping=None) -> SpecOutput:
     stats = SpecStats()
     if controller is not None:  # members reset; the verify cost curve of the target's model, if not known yet
         controller.begin(getattr(target, "model", None))
@@ -381,6 +458,8 @@ def _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limi
             if not bool(allowed[0].any()):
                 raise RuntimeError("the constraint allows no token after the output so far")
             logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        if processor is not None:  # each node's logits processed after its own path, as plain decoding would
+            logits = process_tree(processor, tokens[:length], tree, logits)
         verdict = verify_tree(tree, logits, cfg, gen)
         target.commit(verdict.path, prefix)
         _sync(target)
@@ -388,6 +467,9 @@ def _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limi
         new = tree.tokens[verdict.path[1:]].tolist() + [verdict.next_token]
         cut = next((i + 1 for i, t in enumerate(new) if t in eos), None)
         new = new[:cut]
+        stop = first_stop(stopping, tokens[:length], new) if stopping is not None else None
+        if stop is not None:
+            new, cut = new[:stop], stop
         tokens[length : length + len(new)] = torch.tensor(new)
         length += len(new)
         if streamer is not None:
@@ -406,7 +488,7 @@ def _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limi
         if controller is not None:
             controller.observe(tree, verdict, new, t2 - t1)
         if cut is not None:
-            finish = "eos"
+            finish = "stop" if stop is not None else "eos"
             break
     if prefix_cache is not None:  # the committed state of prompt + output, for the next call
         keep = min(length - 1, target.prefix_len)
