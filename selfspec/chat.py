@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 
 
-def encode_chat(tokenizer, messages: str | list[dict], *, system: str | None = None) -> torch.Tensor:
+def encode_chat(tokenizer, messages: str | list[dict], *, system: str | None = None, tools: list | None = None
+                ) -> torch.Tensor:
     """Render ``messages`` with the tokenizer's chat template, ready for the assistant's turn.
 
     Args:
         tokenizer: a transformers tokenizer with a chat template (plain encoding otherwise).
         messages: a user message, or a list of ``{"role", "content"}`` dicts.
         system: optional system message put first.
+        tools: optional function list, rendered by the chat template (``apply_chat_template(tools=)``).
 
     Returns:
         ``[1, L]`` LongTensor of prompt ids.
@@ -21,7 +23,9 @@ def encode_chat(tokenizer, messages: str | list[dict], *, system: str | None = N
     if system is not None:
         messages = [{"role": "system", "content": system}] + list(messages)
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    elif tools:
+        raise ValueError("this tokenizer has no chat template: tools cannot be rendered for it")
     else:
         text = "\n".join(m["content"] for m in messages) + "\n"
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids

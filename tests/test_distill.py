@@ -221,3 +221,52 @@ def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_o
         calibrate.SHARED = DATA
         traced = calibrate.training_prompts({"extra": {"lineage": [{"dataset": "runs/distill/smollm2-chat-b"}]}})
         assert len(traced) > 4000
+
+
+def test_your_own_conversations_in_every_format_are_regenerated_turn_by_turn(tmp_path):
+    """OpenAI messages JSONL (with tools), ShareGPT JSON and a datasets folder: the record's
+    assistant turns are dropped and every turn is answered by the target after its own earlier
+    answers (one example per assistant turn, the conversation so far as its prompt); resumable,
+    keyed by the data's digest; bad records are refused by file and record."""
+    import json
+
+    from datasets import Dataset
+
+    from selfspec.chat import encode_chat
+    from selfspec.training.conversations import DataFile
+    from selfspec.training.distill import DistillConfig
+
+    tok = tiny_tokenizer()
+    model = tiny_model("llama", vocab=len(tok), dtype=torch.float32)
+    fn = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}}]
+    openai = tmp_path / "chat.jsonl"
+    openai.write_text(json.dumps({"messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": "THEIR ANSWER"}, {"role": "user", "content": "and again"}], "tools": fn}) + "\n")
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": "what is 2+2"},
+                                                       {"from": "gpt", "value": "4"}]}]))
+    folder = tmp_path / "ds"
+    Dataset.from_list([{"text": "Once upon a time"}]).save_to_disk(str(folder))
+    cfg = DistillConfig(sources={}, data_dir=str(tmp_path), max_new_tokens=5, batch_size=4, shard_size=8,
+                        sampled_every=0, data_files=[DataFile(str(openai)), DataFile(str(sharegpt)),
+                                                     DataFile(str(folder), format="text")])
+    path = distill(model, tok, cfg, tmp_path / "out", target_name="tiny")
+    rows = {r["source_id"] + "@" + Path(r["source"]).name: r for r in load_from_disk(str(path))}
+    assert set(rows) == {"0@chat.jsonl", "0#1@chat.jsonl", "0@sharegpt.json", "0@ds"}
+    first, second = rows["0@chat.jsonl"], rows["0#1@chat.jsonl"]
+    answer = tok.decode(first["response_ids"], skip_special_tokens=True)
+    want = encode_chat(tok, [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": answer},
+                             {"role": "user", "content": "and again"}], system="be brief", tools=fn)[0].tolist()
+    assert second["prompt_ids"] == want  # the target's own first answer, not the record's
+    assert "THEIR ANSWER" not in tok.decode(second["prompt_ids"])
+    again = distill(model, tok, cfg, tmp_path / "out", target_name="tiny")  # resumes: every shard done
+    assert len(load_from_disk(str(again))) == 4
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": "changed"}]}]))
+    with pytest.raises(ValueError, match="data_sha256"):
+        distill(model, tok, cfg, tmp_path / "out", target_name="tiny")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "narrator", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl record 0: unknown roles"):
+        distill(model, tok, DistillConfig(sources={}, data_dir=str(tmp_path), data_files=[DataFile(str(bad))]),
+                tmp_path / "out2", target_name="tiny")
