@@ -10,7 +10,8 @@ def encode_chat(tokenizer, messages: str | list[dict], *, system: str | None = N
     """Render ``messages`` with the tokenizer's chat template, ready for the assistant's turn.
 
     Args:
-        tokenizer: a transformers tokenizer with a chat template (plain encoding otherwise).
+        tokenizer: a transformers tokenizer with a chat template (otherwise the turns' plain text,
+            one per line, with the tokenizer's own special tokens, e.g. a base model's BOS).
         messages: a user message, or a list of ``{"role", "content"}`` dicts.
         system: optional system message put first.
         tools: optional function list, rendered by the chat template (``apply_chat_template(tools=)``).
@@ -28,5 +29,7 @@ def encode_chat(tokenizer, messages: str | list[dict], *, system: str | None = N
         raise ValueError("this tokenizer has no chat template: tools cannot be rendered for it")
     else:
         text = "\n".join(m["content"] for m in messages) + "\n"
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    # a template writes its own special tokens; plain text gets the tokenizer's (a base model's BOS)
+    template = bool(getattr(tokenizer, "chat_template", None))
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=not template).input_ids
     return ids.long()
