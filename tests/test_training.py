@@ -86,6 +86,8 @@ def test_training_lowers_loss_and_exports_a_loadable_drafter(tmp_path):
     drafter = selfspec.load_drafter(tmp_path / "exported", model)
     assert drafter.template.to_list() == summary["tree"]
     assert (tmp_path / "run" / "training_curves.png").stat().st_size > 1000
+    logged = [r for r in recipe.history if "train/loss" in r][-1]
+    assert logged["train/seconds_per_step"] > 0 and 0 < logged["train/peak_memory_gib"] < 64  # sizing a machine
     prompt = torch.tensor([[1, 2, 3, 4, 5, 6]])
     reference = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert torch.equal(selfspec.generate(model, prompt, drafter=drafter, max_new_tokens=16).sequences, reference)

@@ -46,6 +46,7 @@ from selfspec.measurement.workloads import benchmark_prompts, load_bfcl, tool_sy
 from selfspec.checkpoint import atomic_write_text
 
 from .conversations import DataFile, load_conversations
+from .loop import peak_memory_gib
 
 
 @dataclass
@@ -270,6 +271,7 @@ def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *,
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         wall_time_s_this_run=round(time.time() - started, 1),
         tokens_per_s_this_run=round(made / max(time.perf_counter() - t_run, 1e-9), 1),
+        peak_memory_gib_this_run=round(peak_memory_gib(next(model.parameters()).device), 2),
         created=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
     atomic_write_text(out / "provenance.json", json.dumps(provenance, indent=1))

@@ -299,7 +299,7 @@ class TrainingRun(ABC):
         end = min(self.total_steps, stop_at or self.total_steps)
         bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.name}", unit="step",
                    disable=not self.acc.is_local_main_process)
-        started, items_done = time.time(), 0
+        started, items_done, first = time.time(), 0, self.step
         while self.step < end:
             for group in self.optimizer.param_groups:
                 group["lr"] = self._lr(self.step)
@@ -311,6 +311,8 @@ class TrainingRun(ABC):
                 row = {"train/loss": row.pop("loss")} | row | {"lr": self._lr(self.step - 1), "step": self.step}
                 if items_done:
                     row["train/tokens_per_s"] = items_done / max(time.time() - started, 1e-9)
+                row["train/seconds_per_step"] = (time.time() - started) / max(1, self.step - first)
+                row["train/peak_memory_gib"] = peak_memory_gib(self.acc.device)
                 self._log(row)
                 bar.set_postfix(loss=f"{row['train/loss']:.3f}")
             if self.step % cfg.run.eval_every == 0 or self.step == self.total_steps:
@@ -385,3 +387,13 @@ class TrainingRun(ABC):
         recipe.acc.wait_for_everyone()
         recipe.cleanup()
         return summary
+
+
+def peak_memory_gib(device) -> float:
+    """Peak memory of this process so far: the accelerator's allocator peak on a GPU, the
+    resident set's high-water mark on a CPU (what a user sizes a machine by)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1024 ** 3
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2  # kilobytes on Linux
