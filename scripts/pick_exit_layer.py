@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
@@ -34,7 +33,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=selfspec.DEFAULT_TARGET)
+    ap.add_argument("--model", "--target", dest="target", default=selfspec.DEFAULT_TARGET,
+                    help="the target: alias, local folder, .gguf file or hub id")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--max-depth", type=int, default=6)

@@ -23,7 +23,6 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from selfspec.checkpoint import atomic_write_text  # noqa: E402
 from selfspec.training.jobs import load_any  # noqa: E402
