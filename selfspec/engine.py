@@ -297,7 +297,7 @@ def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_
 def _sampling(model, generation_config, temperature, top_k, top_p, max_new_tokens):
     """``(SamplingConfig, processors, max_new_tokens)`` from the explicit arguments and the
     generation config (see :func:`generate`)."""
-    from .logits_processing import from_generation_config
+    from .logits_processing import from_generation_config, penalties
 
     gc = generation_config if generation_config is not None else getattr(model, "generation_config", None)
     if generation_config is not None and not hasattr(generation_config, "do_sample"):
@@ -306,13 +306,11 @@ def _sampling(model, generation_config, temperature, top_k, top_p, max_new_token
         max_new_tokens = getattr(gc, "max_new_tokens", None) or 128
     if gc is None:
         return SamplingConfig(temperature or 0.0, top_k or 0, 1.0 if top_p is None else top_p), [], max_new_tokens
-    from_config, processors = from_generation_config(gc)
     if temperature is None and top_k is None and top_p is None:
+        from_config, processors = from_generation_config(gc)
         return from_config, processors, max_new_tokens
     cfg = SamplingConfig(0.0 if temperature is None else temperature, top_k or 0, 1.0 if top_p is None else top_p)
-    kept = [p for p in processors if type(p).__name__ in ("RepetitionPenaltyLogitsProcessor",
-                                                          "NoRepeatNGramLogitsProcessor")]
-    return cfg, kept, max_new_tokens
+    return cfg, penalties(gc), max_new_tokens
 
 
 def _processor_list(processors: list, given):

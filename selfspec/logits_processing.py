@@ -67,14 +67,25 @@ def first_stop(criteria, committed: torch.Tensor, new: list[int]) -> int | None:
     return None
 
 
+def penalties(gc) -> list:
+    """The processors of ``gc`` that are not sampling parameters: repetition penalty and n-gram ban."""
+    from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    out = []
+    if getattr(gc, "repetition_penalty", None) not in (None, 1.0):
+        out.append(RepetitionPenaltyLogitsProcessor(gc.repetition_penalty))
+    if getattr(gc, "no_repeat_ngram_size", None):
+        out.append(NoRepeatNGramLogitsProcessor(gc.no_repeat_ngram_size))
+    return out
+
+
 def from_generation_config(gc) -> tuple[SamplingConfig, list]:
     """``(sampling, processors)`` that sample what ``model.generate(generation_config=gc)`` samples:
     greedy, or (``do_sample``) the plain softmax of logits processed by transformers' own
     processors and warpers in its order (repetition penalty, n-gram ban, then temperature, top-k,
     top-p, min-p)."""
     from transformers.generation.logits_process import (
-        MinPLogitsWarper, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
-        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+        MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
     unsupported = [name for name in ("num_beams", "num_beam_groups") if (getattr(gc, name, 1) or 1) > 1]
     unsupported += [name for name in ("typical_p", "epsilon_cutoff", "eta_cutoff")
@@ -82,12 +93,9 @@ def from_generation_config(gc) -> tuple[SamplingConfig, list]:
     if getattr(gc, "num_return_sequences", 1) not in (None, 1):
         unsupported.append("num_return_sequences")
     if unsupported:
-        raise ValueError(f"generation_config sets {unsupported}, which selfspec does not support")
-    processors = []
-    if gc.repetition_penalty is not None and gc.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(gc.repetition_penalty))
-    if gc.no_repeat_ngram_size:
-        processors.append(NoRepeatNGramLogitsProcessor(gc.no_repeat_ngram_size))
+        raise ValueError(f"generation_config sets {unsupported}, which selfspec does not support (pass "
+                         "temperature=, top_k=, top_p= to sample or decode greedily without it)")
+    processors = penalties(gc)
     if not gc.do_sample:
         return SamplingConfig(0.0), processors
     if gc.temperature is not None and gc.temperature != 1.0:

@@ -151,3 +151,13 @@ def test_processed_law_equals_plain_processed_law(lossy, monkeypatch):
     n = control_samples(SAMPLES) if lossy else SAMPLES
     ok, msg = chi_square_ok(_processed_law(cfg), _counts(cfg, n), n=n)
     assert ok != lossy, msg
+
+
+def test_a_beam_search_default_is_refused_only_when_it_would_decide_sampling():
+    model = tiny_model("llama", layers=6)
+    model.generation_config = GenerationConfig(num_beams=4, repetition_penalty=1.5)
+    with pytest.raises(ValueError, match="num_beams"):
+        selfspec.generate(model, IDS, max_new_tokens=8)
+    out = selfspec.generate(model, IDS, max_new_tokens=8, temperature=0, eos_token_id=[])  # explicit: greedy
+    assert torch.equal(out.sequences, model.generate(IDS, max_new_tokens=8, do_sample=False, num_beams=1,
+                                                     repetition_penalty=1.5, pad_token_id=0))
