@@ -230,7 +230,7 @@ def import_drafter(folder, model):
             layer = dict(config.get("transformer_layer_config") or {})
             return _import_eagle3(model, config, layer, tensors, config.get("eagle_aux_hidden_state_layer_ids"))
         archs = " ".join(config.get("architectures") or [])
-        if "Eagle3" in archs or "eagle3" in archs.lower() or "d2t" in tensors:
+        if "eagle3" in archs.lower() or "d2t" in tensors:
             ids = config.get("eagle_aux_hidden_state_layer_ids")
             sglang = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
             taps = ids if ids is not None else ([k + 1 for k in sglang] if sglang is not None else None)

@@ -7,7 +7,7 @@ its 95% paired-bootstrap interval (``selfspec.measurement.benchmark.ratio_ci``),
 MAT, overall and per category: e.g. a retrained head against the head it replaces, run side by
 side in one process (a method may be any checkpoint folder); and on how many turns the two wrote
 the same tokens in their kept runs (``same text``; ``-`` for results stored before output digests
-were kept). Greedy in float32 every turn was the same text in round 35's runs; in bf16 two
+were kept). Greedy in float32 every turn is the same text; in bf16 two
 methods can part at a near-tie and then write different texts (one may fall into a repeated
 sentence that any drafter guesses): a ratio over different texts measures the texts as much as
 the methods.

@@ -39,8 +39,8 @@ def training_prompts(meta: dict) -> set[str]:
     distillation folder's manifest or, where that folder is absent (``runs/`` of another
     session), from the distill config in configs/ that wrote it. A shard range (``folder[6:]``)
     keeps the whole window out except the prompts answered only in its shards outside the range
-    (window d's first six shards, which no head trained on, are the last held-out chat prompts
-    once every chat prompt has been distilled: round 34). Refuses a dataset it cannot trace."""
+    (window d's first six shards, which no head trained on, are the only held-out chat prompts
+    left once every chat prompt has been distilled). Refuses a dataset it cannot trace."""
     from selfspec.training.batching import shard_selection  # noqa: I001
     from selfspec.training.jobs import load_any
     from selfspec.training.distill import DistillConfig, collect_prompts

@@ -103,8 +103,10 @@ def collate(examples: list[dict], max_len: int) -> tuple[torch.Tensor, torch.Ten
     return ids, torch.tensor([len(c) for c in cut]), torch.tensor([len(e["prompt_ids"]) for e in examples])
 
 
-def split_examples(examples: list[dict], eval_fraction: float, seed: int, max_eval: int) -> tuple[list[dict], list[dict]]:
-    """Seeded train / held-out split of the examples with a response (held-out capped at ``max_eval``)."""
+def split_examples(examples: list[dict], eval_fraction: float, seed: int, max_eval: int | None
+                   ) -> tuple[list[dict], list[dict]]:
+    """Seeded train / held-out split of the examples with a response (held-out capped at
+    ``max_eval``; ``None``: no cap)."""
     usable = [ex for ex in examples if ex["response_ids"] and ex["prompt_ids"]]
     order = torch.randperm(len(usable), generator=torch.Generator().manual_seed(seed)).tolist()
     n_eval = max(1, int(len(usable) * eval_fraction))

@@ -79,30 +79,17 @@ def coerce(value, hint, key: str):
         if isinstance(value, str) and value.strip().lower() in ("true", "false"):
             return value.strip().lower() == "true"
         raise fail()
-    if hint is int:
-        if isinstance(value, bool):
+    if hint is int or hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise fail()
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
         if isinstance(value, str):
             try:
-                return int(value.strip())
+                value = hint(value.strip())
             except ValueError:
                 raise fail() from None
-        raise fail()
-    if hint is float:
-        if isinstance(value, bool):
+        if hint is int and isinstance(value, float) and not value.is_integer():
             raise fail()
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                raise fail() from None
-        raise fail()
+        return hint(value)
     if hint is str:
         if isinstance(value, str):
             return value

@@ -196,6 +196,28 @@ class TrainingRun(ABC):
     def plot(self) -> None:
         """Draw the training curves into the run folder (main process)."""
 
+    def plot_curves(self, train: dict[str, str], held_out: dict[str, str], labels: tuple[str, str, str, str]) -> None:
+        """``training_curves.png``: the ``train`` series (legend label -> history key) on the left,
+        the ``held_out`` ones on the right; ``labels``: left y-label, left title, right y-label,
+        right title."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, series, marker, (ylabel, title) in zip(axes, (train, held_out), (None, "o"),
+                                                      (labels[:2], labels[2:])):
+            for label, key in series.items():
+                rows = [r for r in self.history if key in r]
+                ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker=marker, label=label)
+            ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)
+            if len(series) > 1:
+                ax.legend()
+        fig.tight_layout()
+        fig.savefig(self.out / "training_curves.png", dpi=110)
+        plt.close(fig)
+
     def load_weights(self, drafter) -> None:
         """Copy a checkpointed drafter's trainable weights into ``self.trainable`` (resume)."""
         raise NotImplementedError

@@ -311,24 +311,8 @@ class CachedFeatureRecipe(TrainingRun):
         return {}
 
     def plot(self) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        K = self.num_outputs
-        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-        train = [r for r in self.history if "train/loss" in r]
-        for k in range(K):
-            a.plot([r["step"] for r in train], [r[f"train/loss_head{k + 1}"] for r in train], label=f"head {k + 1}")
-        a.set(xlabel="step", ylabel="train loss", title="loss per head")
-        a.legend()
-        evals = [r for r in self.history if "eval/loss" in r]
-        for k in range(K):
-            b.plot([r["step"] for r in evals], [r[f"eval/top1_head{k + 1}"] for r in evals], marker="o", label=f"head {k + 1}")
-        b.set(xlabel="step", ylabel="held-out top-1 accuracy", title="accuracy per head")
-        b.legend()
-        fig.tight_layout()
-        fig.savefig(self.out / "training_curves.png", dpi=110)
-        plt.close(fig)
+        heads = range(1, self.num_outputs + 1)
+        self.plot_curves({f"head {k}": f"train/loss_head{k}" for k in heads},
+                         {f"head {k}": f"eval/top1_head{k}" for k in heads},
+                         ("train loss", "loss per head", "held-out top-1 accuracy", "accuracy per head"))
 

@@ -434,31 +434,11 @@ class Eagle3Recipe(TrainingRun):
         return summary
 
     def plot(self) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        K = self.cfg.ttt_steps
-        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-        train = [r for r in self.history if "train/loss" in r]
-        for j in range(K):
-            a.plot([r["step"] for r in train], [r[f"train/loss_step{j}"] for r in train], label=f"step {j}")
-        a.set(xlabel="optimizer step", ylabel="train loss (soft CE)", title="loss per unrolled step")
-        a.legend()
-        evals = [r for r in self.history if "eval/loss" in r]
-        for j in range(K):
-            b.plot([r["step"] for r in evals], [r[f"eval/top1_step{j}"] for r in evals], marker="o", label=f"step {j}")
-        b.set(xlabel="optimizer step", ylabel="held-out top-1 agreement", title="acceptance per unrolled step")
-        b.legend()
-        fig.tight_layout()
-        fig.savefig(self.out / "training_curves.png", dpi=110)
-        plt.close(fig)
-
-
-def run(cfg: Eagle3TrainConfig, *, resume: bool = False, **given) -> dict:
-    """setup -> train -> export -> cleanup; returns the export summary."""
-    return Eagle3Recipe.run(cfg, resume=resume, **given)
+        steps = range(self.cfg.ttt_steps)
+        self.plot_curves({f"step {j}": f"train/loss_step{j}" for j in steps},
+                         {f"step {j}": f"eval/top1_step{j}" for j in steps},
+                         ("train loss (soft CE)", "loss per unrolled step", "held-out top-1 agreement",
+                          "acceptance per unrolled step"))
 
 
 #: what the registry entry of this kind points to (selfspec.drafters.register(..., recipe=...))

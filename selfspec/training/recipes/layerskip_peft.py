@@ -40,7 +40,7 @@ class LoraSkipRecipe(TrainingRun):
         if self.examples is None:
             self.examples = load_distilled(cfg.dataset)
         self.train_set, self.eval_set = split_examples(self.examples, cfg.eval_fraction, cfg.run.seed,
-                                                       cfg.max_eval_examples or len(self.examples))
+                                                       cfg.max_eval_examples)
         self.batches = length_buckets(self.train_set, cfg.max_len, cfg.tokens_per_batch)
         self.drafter = selfspec.build_drafter(self.model, "layerskip", **asdict(cfg.layerskip))
         for name, p in self.drafter.stack.named_parameters():
@@ -120,18 +120,5 @@ class LoraSkipRecipe(TrainingRun):
         return summary
 
     def plot(self) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-        train = [r for r in self.history if "train/loss" in r]
-        a.plot([r["step"] for r in train], [r["train/loss"] for r in train])
-        a.set(xlabel="step", ylabel="train KL(target || exit)", title="loss")
-        evals = [r for r in self.history if "eval/top1" in r]
-        b.plot([r["step"] for r in evals], [r["eval/top1"] for r in evals], marker="o")
-        b.set(xlabel="step", ylabel="held-out top-1 agreement", title="exit vs full model")
-        fig.tight_layout()
-        fig.savefig(self.out / "training_curves.png", dpi=110)
-        plt.close(fig)
+        self.plot_curves({"KL": "train/loss"}, {"top-1": "eval/top1"},
+                         ("train KL(target || exit)", "loss", "held-out top-1 agreement", "exit vs full model"))
