@@ -4,7 +4,8 @@ A mask row is a query token, a column a key slot of the KV cache (committed pref
 tokens of the current pass and of earlier draft passes, in cache order). ``visible[i, j]`` says
 whether query i may attend to key j; this module turns it into what the model accepts:
 
-* a float mask ``[1, 1, m, K]`` (0 = visible, dtype min = hidden), or
+* a float mask ``[1, 1, m, K]`` (0 = visible, dtype min = hidden; ``[B, 1, m, K]`` for a batch of
+  rows, each with its own visibility and positions), or
 * for architectures with typed layers (``config.layer_types``: Gemma 3, Qwen 2/3 with sliding
   windows) a ``{layer_type: mask}`` mapping, where a sliding layer additionally hides keys at
   positions ``<= q_pos - sliding_window`` (transformers' own rule);
@@ -33,10 +34,11 @@ class MaskBuilder:
         self.device, self.dtype = param.device, param.dtype
 
     def build(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
-        """Mask for ``visible`` ``[m, K]`` bool, query positions ``[m]`` and key positions ``[K]``."""
+        """Mask for ``visible`` ``[m, K]`` bool, query positions ``[m]`` and key positions ``[K]``;
+        or one per row: ``[B, m, K]``, ``[B, m]`` and ``[B, K]``."""
         windowed = None
         if self.sliding_window is not None and (not self.layer_types or "sliding_attention" in self.layer_types):
-            windowed = visible & (k_pos[None, :] > q_pos[:, None] - self.sliding_window)
+            windowed = visible & (k_pos[..., None, :] > q_pos[..., :, None] - self.sliding_window)
         if not self.layer_types:
             return self._additive(visible if windowed is None else windowed)
         masks = {"full_attention": self._additive(visible)}
@@ -64,4 +66,4 @@ class MaskBuilder:
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(visible.shape, dtype=self.dtype)
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-        return mask[None, None].to(self.device)
+        return (mask[None, None] if mask.dim() == 2 else mask[:, None]).to(self.device)

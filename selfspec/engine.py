@@ -18,35 +18,18 @@ import contextlib
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 
-from .control import ControlConfig, Controller
-from .drafters.base import DraftContext, Drafter
-from .logits_processing import first_stop, process_tree
-from .metrics import SpecStats
+from .control import Controller
+from .drafters.base import Drafter
+from .request import (Request, Settings, SpecOutput, check_prompt, controller_for, model_lock, sampling,
+                      settings, sync)
 from .sampling import SamplingConfig
 from .target import TreeTarget, context_length
-from .tree import DraftTree
-from .verify import verify_tree
 
-
-@dataclass
-class SpecOutput:
-    """Result of :func:`generate`.
-
-    Attributes:
-        sequences: ``[1, L + new]`` prompt followed by the new tokens.
-        stats: step counts, mean accepted length, acceptance per depth, timings.
-        finish_reason: ``"eos"``, ``"stop"`` (a stopping criterion or stop string), ``"length"``
-            (``max_new_tokens`` reached) or ``"context"``.
-    """
-
-    sequences: torch.Tensor
-    stats: SpecStats
-    finish_reason: str
+_sampling = sampling  # (the name the tests use)
 
 
 def generate(
@@ -71,13 +54,20 @@ def generate(
     stopping_criteria=None,
     stop_strings=None,
     tokenizer=None,
-) -> SpecOutput:
+    attention_mask=None,
+) -> "SpecOutput | BatchOutput":
     """Generate from a transformers causal LM, speculatively when a drafter is given.
 
     Args:
         model: an unmodified transformers causal LM (``model(input_ids, attention_mask,
             position_ids, cache)`` interface) in eval mode.
-        input_ids: ``[L]`` or ``[1, L]`` prompt token ids (batch size 1).
+        input_ids: ``[L]`` or ``[1, L]`` prompt token ids; or several prompts: a list of id
+            sequences, or ``[B, L]`` ids (with ``attention_mask`` for padded rows, left or right, as
+            transformers takes them). Several prompts decode as one batch
+            (:mod:`selfspec.batch`: every row's tree in one pass, each row exact as alone) and
+            return a :class:`selfspec.batch.BatchOutput`; ``seed`` then seeds row b with
+            ``seed + b``; ``streamer`` and ``prefix_cache`` are for one prompt
+            (:class:`selfspec.batch.Pool` takes a streamer per request).
         drafter: a drafter from :func:`selfspec.build_drafter`, several (their union: the
             controller runs each alone, their merge or plain steps, whichever it measures fastest),
             or a :class:`selfspec.control.Controller` that keeps what it learnt across calls;
@@ -121,15 +111,50 @@ def generate(
             (transformers' ``StopStringCriteria``; needs the tokenizer).
 
     Raises:
-        ValueError: bad sampling parameters, empty / batched / out-of-vocabulary / over-long
-            prompt, ``max_new_tokens < 1``, or a drafter built for another model.
+        ValueError: bad sampling parameters, empty / out-of-vocabulary / over-long prompt,
+            ``max_new_tokens < 1``, or a drafter built for another model.
     """
+    prompts = _several(input_ids, attention_mask)
+    if prompts is not None:
+        from .batch import generate_batch
+
+        if streamer is not None or prefix_cache is not None:
+            raise ValueError("streamer and prefix_cache take one prompt; for several, use selfspec.batch.Pool "
+                             "(a streamer per request)")
+        return generate_batch(model, prompts, drafter=drafter, control=control, seed=seed, generator=generator,
+                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              eos_token_id=eos_token_id, tools=tools, constraint=constraint,
+                              generation_config=generation_config, logits_processor=logits_processor,
+                              stopping_criteria=stopping_criteria, stop_strings=stop_strings, tokenizer=tokenizer)
+    input_ids = _one(input_ids, attention_mask)
     run = _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, generator,
                    eos_token_id, control, prefix_cache, tools, constraint, generation_config, logits_processor,
                    stopping_criteria, stop_strings, tokenizer)
     out = decode(**run, streamer=streamer)
     out.sequences = out.sequences.to(input_ids.device if torch.is_tensor(input_ids) else "cpu")
     return out
+
+
+def _several(input_ids, attention_mask):
+    """The prompts of a batch call as a list of ``[L_b]`` tensors, or ``None`` for one prompt."""
+    from .batch import split_prompts
+
+    batch = (isinstance(input_ids, (list, tuple)) and len(input_ids) > 0
+             and isinstance(input_ids[0], (list, tuple, torch.Tensor)))
+    batch = batch or (torch.is_tensor(input_ids) and input_ids.dim() == 2 and input_ids.shape[0] > 1)
+    if not batch:
+        return None
+    return split_prompts(input_ids, attention_mask)
+
+
+def _one(input_ids, attention_mask):
+    """One prompt, its padding (if any) removed."""
+    if attention_mask is None:
+        return input_ids
+    from .batch import split_prompts
+
+    ids = torch.as_tensor(input_ids)
+    return split_prompts(ids.reshape(1, -1), torch.as_tensor(attention_mask).reshape(1, -1))[0].reshape(ids.shape[:-1] + (-1,))
 
 
 def stream(model, input_ids, **kwargs) -> "SpecStream":
@@ -148,6 +173,9 @@ def stream(model, input_ids, **kwargs) -> "SpecStream":
         raise TypeError(f"stream() got unexpected arguments: {err}") from None
     bound.apply_defaults()
     args = dict(bound.arguments)
+    if _several(args["input_ids"], args["attention_mask"]) is not None:
+        raise ValueError("stream() takes one prompt; for several, use selfspec.batch.Pool with a streamer per request")
+    args["input_ids"] = _one(args["input_ids"], args.pop("attention_mask"))
     streamer = args.pop("streamer")
     return SpecStream(_prepare(**args), streamer, input_ids.device if torch.is_tensor(input_ids) else torch.device("cpu"))
 
@@ -252,25 +280,15 @@ def _stream_work(ref, run: dict, stop: threading.Event, q) -> None:
         q.put(SpecStream._END)
 
 
-def _check_constraint(constraint) -> None:
-    from .constraint import Constraint
-
-    if constraint is not None and not isinstance(constraint, Constraint):
-        raise ValueError(f"constraint must be a selfspec.constraint.Constraint, got {type(constraint).__name__}")
-
-
 def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, generator,
              eos_token_id, control=None, prefix_cache=None, tools=None, constraint=None, generation_config=None,
              logits_processor=None, stopping_criteria=None, stop_strings=None, tokenizer=None) -> dict:
     """Check every argument of :func:`generate` and return ``decode``'s arguments."""
-    _check_constraint(constraint)
-    cfg, processors, max_new_tokens = _sampling(model, generation_config, temperature, top_k, top_p, max_new_tokens)
-    processor = _processor_list(processors, logits_processor)
-    stopping = _stopping(stopping_criteria, stop_strings, tokenizer)
-    device = next(model.parameters()).device
-    ids = _check_prompt(model, input_ids)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    s = settings(model, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                 generator=generator, eos_token_id=eos_token_id, generation_config=generation_config,
+                 logits_processor=logits_processor, stopping_criteria=stopping_criteria, stop_strings=stop_strings,
+                 tokenizer=tokenizer, constraint=constraint, tools=tools)
+    ids = check_prompt(model, input_ids)
     controller = controller_for(drafter, control)
     if controller is not None:
         controller.check_target(model)
@@ -280,99 +298,12 @@ def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_
         if not isinstance(prefix_cache, PrefixCache):
             raise ValueError(f"prefix_cache must be a selfspec PrefixCache, got {type(prefix_cache).__name__}")
         prefix_cache.check_model(model)
-    if tools is not None:
-        from .tool_grammar import check_tools
-
-        tools = check_tools(tools)
-    gen = _make_generator(seed, generator, device)
-    eos = _eos_ids(model, eos_token_id)
     needs = controller.requires if controller is not None else None
     target = TreeTarget(model, want_hidden=needs is not None and needs.hidden, taps=needs.taps if needs else ())
-    limit = context_length(model) or ids.shape[0] + max_new_tokens
-    return dict(target=target, ids=ids, controller=controller, cfg=cfg, gen=gen, max_new_tokens=max_new_tokens,
-                eos=eos, context_limit=limit, prefix_cache=prefix_cache, constraint=constraint, tools=tools,
-                lock=model_lock(model), logits_processor=processor, stopping_criteria=stopping)
-
-
-def _sampling(model, generation_config, temperature, top_k, top_p, max_new_tokens):
-    """``(SamplingConfig, processors, max_new_tokens)`` from the explicit arguments and the
-    generation config (see :func:`generate`)."""
-    from .logits_processing import from_generation_config, penalties
-
-    gc = generation_config if generation_config is not None else getattr(model, "generation_config", None)
-    if generation_config is not None and not hasattr(generation_config, "do_sample"):
-        raise ValueError(f"generation_config must be a transformers GenerationConfig, got {type(generation_config).__name__}")
-    if max_new_tokens is None:
-        max_new_tokens = getattr(gc, "max_new_tokens", None) or 128
-    if gc is None:
-        return SamplingConfig(temperature or 0.0, top_k or 0, 1.0 if top_p is None else top_p), [], max_new_tokens
-    if temperature is None and top_k is None and top_p is None:
-        from_config, processors = from_generation_config(gc)
-        return from_config, processors, max_new_tokens
-    cfg = SamplingConfig(0.0 if temperature is None else temperature, top_k or 0, 1.0 if top_p is None else top_p)
-    return cfg, penalties(gc), max_new_tokens
-
-
-def _processor_list(processors: list, given):
-    if given is None and not processors:
-        return None
-    from transformers import LogitsProcessorList
-
-    given = list(given) if given is not None else []
-    for p in given:
-        if not callable(p):
-            raise ValueError(f"logits_processor entries must be transformers LogitsProcessors, got {type(p).__name__}")
-    return LogitsProcessorList(processors + given)
-
-
-def _stopping(criteria, stop_strings, tokenizer):
-    if criteria is None and not stop_strings:
-        return None
-    from transformers import StoppingCriteriaList
-
-    out = StoppingCriteriaList(list(criteria) if criteria is not None else [])
-    if stop_strings:
-        if tokenizer is None:
-            raise ValueError("stop_strings need tokenizer= (the target's tokenizer)")
-        from transformers.generation.stopping_criteria import StopStringCriteria
-
-        out.append(StopStringCriteria(tokenizer, [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)))
-    return out
-
-
-def controller_for(drafter, control) -> Controller | None:
-    """The controller a call uses: the caller's own, a fresh one over the given drafter(s), or
-    ``None`` (plain decoding)."""
-    if isinstance(drafter, Controller):
-        if control is not None:
-            raise ValueError("give control= only with drafters, not with a Controller (it has its own config)")
-        return drafter
-    if control is not None and control is not False and not isinstance(control, ControlConfig):
-        raise ValueError(f"control must be None, False or a ControlConfig, got {type(control).__name__}")
-    if drafter is None:
-        return None
-    members = list(drafter) if isinstance(drafter, (list, tuple)) else [drafter]
-    for m in members:
-        if not isinstance(m, Drafter):
-            raise ValueError(f"drafter must be a selfspec Drafter (see build_drafter), a list of them or a "
-                             f"Controller, got {type(m).__name__}")
-    config = ControlConfig(fixed=True) if control is False else control
-    return Controller(members, config)
-
-
-_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
-
-
-def model_lock(model) -> threading.RLock:
-    """One lock per model object: generations on a shared model run one at a time (their tree
-    passes, tap hooks and layer slices touch the model), so concurrent callers get the outputs
-    of sequential runs."""
-    with _LOCKS_GUARD:
-        lock = _LOCKS.get(model)
-        if lock is None:
-            lock = _LOCKS[model] = threading.RLock()
-        return lock
+    limit = context_length(model) or ids.shape[0] + s.max_new_tokens
+    return dict(target=target, ids=ids, controller=controller, cfg=s.cfg, gen=s.gen, max_new_tokens=s.max_new_tokens,
+                eos=s.eos, context_limit=limit, prefix_cache=prefix_cache, constraint=s.constraint, tools=s.tools,
+                lock=model_lock(model), logits_processor=s.logits_processor, stopping_criteria=s.stopping_criteria)
 
 
 def decode(
@@ -411,170 +342,30 @@ def decode(
                        prefix_cache, constraint, tools, logits_processor, stopping_criteria)
 
 
+
+
 def _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit, clock, streamer, prefix_cache,
             constraint, tools, processor=None, stopping=None) -> SpecOutput:
-    stats = SpecStats()
-    if controller is not None:  # members reset; the verify cost curve of the target's model, if not known yet
-        controller.begin(getattr(target, "model", None))
-    if streamer is not None:
-        streamer.put(ids[None].clone())
+    req = Request(ids, controller, Settings(cfg, gen, max_new_tokens, eos, context_limit, processor, stopping,
+                                            constraint, tools), streamer)
+    req.begin(getattr(target, "model", None), clock)
     share = controller is not None and controller.requires.target_cache and getattr(target, "supports_handoff", False)
-    start = clock()
-    tokens = torch.empty(ids.shape[0] + max_new_tokens, dtype=torch.long)
-    tokens[: ids.shape[0]] = ids
-    length = ids.shape[0]
-    if constraint is not None:
-        constraint.reset()
     pre = target.prefill(ids, prefix_cache) if prefix_cache is not None else target.prefill(ids)
-    stats.prefix_reused = getattr(target, "reused", 0)
-    root_hidden = pre.hidden[-1] if pre.hidden is not None else None
-    taps = _TapBuffer(tokens.shape[0], pre.taps) if getattr(target, "taps", ()) else None
-    _sync(target)
-    stats.prefill_time_s = clock() - start
-    finish = "length"
-    while stats.new_tokens < max_new_tokens:
-        budget = min(max_new_tokens - stats.new_tokens, context_limit - length)
-        if budget < 1:
-            finish = "context"
-            break
+    sync(getattr(target, "device", None))
+    req.prefilled(pre, bool(getattr(target, "taps", ())), clock(), getattr(target, "reused", 0))
+    while req.check_budget():
         t0 = clock()
-        handoff = None
-        if controller is not None and budget > 1:
-            ctx = DraftContext(tokens[:length], root_hidden, budget - 1, cfg, gen, target.cache if share else None,
-                               features=taps.committed(length - 1) if taps is not None else None,
-                               prompt_len=ids.shape[0], tools=tools)
-            proposal = controller.propose(ctx, clock)
-            tree, handoff = proposal.tree, proposal.handoff
-        else:
-            tree = DraftTree.root_only(int(tokens[length - 1]))
+        tree, handoff = req.propose(clock, target.cache if share else None)
         t1 = clock()
         prefix = target.prefix_len
         scored = target.forward_tree(tree, handoff) if handoff is not None else target.forward_tree(tree)
-        logits = scored.logits
-        if constraint is not None:  # the same mask plain decoding applies, at every node's own path
-            allowed = constraint.masks(tokens[ids.shape[0]:length].tolist(), tree, logits.shape[-1])
-            if not bool(allowed[0].any()):
-                raise RuntimeError("the constraint allows no token after the output so far")
-            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-        if processor is not None:  # each node's logits processed after its own path, as plain decoding would
-            logits = process_tree(processor, tokens[:length], tree, logits)
-        verdict = verify_tree(tree, logits, cfg, gen)
+        verdict = req.settle(tree, scored.logits)
         target.commit(verdict.path, prefix)
-        _sync(target)
+        sync(getattr(target, "device", None))
         t2 = clock()
-        new = tree.tokens[verdict.path[1:]].tolist() + [verdict.next_token]
-        cut = next((i + 1 for i, t in enumerate(new) if t in eos), None)
-        new = new[:cut]
-        stop = first_stop(stopping, tokens[:length], new) if stopping is not None else None
-        if stop is not None:
-            new, cut = new[:stop], stop
-        tokens[length : length + len(new)] = torch.tensor(new)
-        length += len(new)
-        if streamer is not None:
-            streamer.put(torch.tensor(new))
-        tested_next = len(tree.children[verdict.path[-1]]) > 0 and not verdict.bonus
-        stats.record_step(verdict.num_accepted, tested_next, len(new), tree.num_nodes - 1)
-        stats.draft_time_s += t1 - t0
-        stats.verify_time_s += t2 - t1
-        stats.plain_steps += tree.num_nodes == 1
-        if stats.steps == 1:
-            stats.first_token_s, stats.first_step_tokens = t2 - start, len(new)
-        if scored.hidden is not None:
-            root_hidden = scored.hidden[verdict.path[-1]]
-        if scored.taps is not None and taps is not None:
-            taps.append(scored.taps[verdict.path])
-        if controller is not None:
-            controller.observe(tree, verdict, new, t2 - t1)
-        if cut is not None:
-            finish = "stop" if stop is not None else "eos"
-            break
+        req.advance(tree, verdict, scored.hidden, scored.taps, t1 - t0, t2 - t1, t2, t2 - t1)
     if prefix_cache is not None:  # the committed state of prompt + output, for the next call
-        keep = min(length - 1, target.prefix_len)
-        prefix_cache.store(tokens[:keep], target.cache, None if taps is None else taps.committed(keep), target.taps)
-    if controller is not None:
-        controller.end(tokens[:length], ids.shape[0])
-    if streamer is not None:
-        streamer.end()
-    stats.wall_time_s = clock() - start
-    return SpecOutput(tokens[None, :length].clone(), stats, finish)
-
-
-class _TapBuffer:
-    """The target's taps of every committed position, in one preallocated ``[capacity, D]`` tensor
-    (drafters read ``committed(n)``, a view of the first n rows)."""
-
-    def __init__(self, capacity: int, first: torch.Tensor | None):
-        self.rows, self.data, self.capacity = 0, None, capacity
-        if first is not None:
-            self.append(first)
-
-    def append(self, rows: torch.Tensor) -> None:
-        if self.data is None:
-            self.data = rows.new_empty((self.capacity, rows.shape[-1]))
-        self.data[self.rows: self.rows + rows.shape[0]] = rows
-        self.rows += rows.shape[0]
-
-    def committed(self, n: int) -> torch.Tensor | None:
-        if self.data is None:
-            return None
-        return self.data[: min(n, self.rows)]
-
-
-def _check_prompt(model, input_ids) -> torch.Tensor:
-    """Validate and return the prompt as a CPU ``[L]`` LongTensor."""
-    ids = torch.as_tensor(input_ids)
-    if ids.dim() == 2:
-        if ids.shape[0] != 1:
-            raise ValueError(f"selfspec.generate decodes one sequence at a time; got a batch of {ids.shape[0]}")
-        ids = ids[0]
-    if ids.dim() != 1:
-        raise ValueError(f"input_ids must have shape [L] or [1, L], got {tuple(ids.shape)}")
-    if ids.numel() == 0:
-        raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"token ids must lie in [0, {vocab}); the prompt holds {lo if lo < 0 else hi}")
-    limit = context_length(model)
-    if limit is not None and ids.shape[0] >= limit:
-        raise ValueError(
-            f"the prompt has {ids.shape[0]} tokens but the model's context holds {limit}: "
-            "nothing can be generated; shorten the prompt"
-        )
-    return ids.to("cpu", torch.long)
-
-
-def _make_generator(seed, generator, device) -> torch.Generator:
-    if seed is not None and generator is not None:
-        raise ValueError("give either seed or generator, not both")
-    if generator is not None:
-        if not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        if generator.device.type != torch.device(device).type:
-            raise ValueError(f"generator is on {generator.device} but the model runs on {device}")
-        return generator
-    gen = torch.Generator(device=device)
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(int(seed))
-    return gen
-
-
-def _eos_ids(model, eos_token_id) -> set[int]:
-    if eos_token_id is None:
-        gen_cfg = getattr(model, "generation_config", None)
-        eos_token_id = getattr(gen_cfg, "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    if isinstance(eos_token_id, int):
-        return {eos_token_id}
-    return {int(t) for t in eos_token_id}
-
-
-def _sync(target) -> None:
-    device = getattr(target, "device", None)
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+        keep = min(req.length - 1, target.prefix_len)
+        taps = req.taps
+        prefix_cache.store(req.tokens[:keep], target.cache, None if taps is None else taps.committed(keep), target.taps)
+    return req.close(clock())

@@ -12,7 +12,15 @@ loaded in that dtype, e.g. ``none%bfloat16`` = plain bf16 decoding, against the 
 baseline) and peers on the same model through
 ``transformers.generate``: ``hf-greedy``, ``hf-prompt-lookup[:N]``, ``hf-early-exit:E``.
 Writes <out>.json (args, command, summary, records), <out>.md (command + table) and
-<out>_speedup.png / <out>_acceptance.png. Finished turns are appended to <out>.partial.jsonl as
+<out>_speedup.png / <out>_acceptance.png.
+
+Throughput mode (batches, :mod:`selfspec.measurement.throughput`): ``--batch-sizes 1 2 4 8 16 32``
+sweeps the methods (``hf-greedy`` = transformers' batched generate, ``none`` = selfspec's plain
+loop, drafter specs) over batch sizes in each of ``--dtypes``; ``--arrival-rate R --requests N``
+runs a stream of N requests arriving at R per second into a pool of ``--max-batch`` rows:
+
+    selfspec bench --questions docs/prompts/mt_bench_question.jsonl --batch-sizes 1 2 4 8 16 32 \
+        --dtypes bfloat16 float32 --methods hf-greedy none ngram eagle3+ngram --max-new-tokens 64 --out runs/batch Finished turns are appended to <out>.partial.jsonl as
 they complete: rerun the same command with --resume after an interruption.
 """
 
@@ -71,6 +79,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="output path prefix (writes .json, .md, .png)")
     ap.add_argument("--resume", action="store_true", help="skip turns already in <out>.partial.jsonl")
     ap.add_argument("--title", default="", help="plot title")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                    help="throughput mode: sweep these batch sizes (see above)")
+    ap.add_argument("--dtypes", nargs="+", default=None, help="throughput mode: target dtypes (default: --dtype)")
+    ap.add_argument("--arrival-rate", type=float, default=None,
+                    help="throughput mode: requests per second arriving into a pool (continuous batching)")
+    ap.add_argument("--requests", type=int, default=32, help="requests in an --arrival-rate run")
+    ap.add_argument("--max-batch", type=int, default=8, help="pool rows in an --arrival-rate run")
     ap.add_argument("--resummarise", action="store_true",
                     help="recompute <out>.json's summary, <out>.md and plots from its stored records, run nothing")
     return ap
@@ -91,6 +106,8 @@ def main(argv=None) -> None:
         ap.error("--resume needs --out")
 
     prov = benchmark.provenance()  # the code as it is when the run starts
+    if args.batch_sizes or args.arrival_rate:
+        return throughput_main(args, argv, prov)
     model, tokenizer = selfspec.load_target(args.model, dtype=args.dtype)
     args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # what "auto" chose
     questions = []
@@ -164,6 +181,71 @@ def main(argv=None) -> None:
         write(args.out, vars(args), records, command, args.title, prov)
     else:
         print(benchmark.markdown_table(benchmark.summarise(records, by_turn=args.by_turn)))
+
+
+def throughput_main(args, argv, prov) -> None:
+    """The throughput mode (module docstring): writes <out>.json, <out>.md and <out>.png."""
+    from selfspec.control import Controller
+    from selfspec.drafters import drafter_from_spec
+    from selfspec.measurement import throughput
+    from selfspec.measurement.measure import write_result
+
+    questions = []
+    for path in args.questions:
+        questions += load_questions(path)
+    command = "selfspec bench " + " ".join(argv or sys.argv[1:])
+    records, streams, tables = [], {}, []
+    for dtype in args.dtypes or [args.dtype]:
+        model, tokenizer = selfspec.load_target(args.model, dtype=dtype)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        methods = {}
+        for spec in args.methods:
+            if spec == "hf-greedy":
+                methods[spec] = "hf"
+            else:
+                drafter = drafter_from_spec(model, spec, args.model, tokenizer)
+                methods[spec] = None if drafter is None else Controller(drafter)
+        if args.batch_sizes:
+            prompts = throughput.prompts_from(tokenizer, questions, max(max(args.batch_sizes), 4))
+            for name, m in methods.items():  # untimed: kernels, weight packing, the verify cost curve
+                if m != "hf":
+                    throughput._pool_batch(model, m, prompts[:2], 8)
+            rows = throughput.sweep(model, methods, prompts, sorted(args.batch_sizes),
+                                    max_new_tokens=args.max_new_tokens,
+                                    progress=lambda r: print(f"{dtype} B={r['batch']} {r['method']}: "
+                                                             f"{r['tokens_per_s']:.1f} tok/s", flush=True))
+            for r in rows:
+                r["dtype"] = dtype
+            records += rows
+        if args.arrival_rate:
+            prompts = throughput.prompts_from(tokenizer, questions, args.requests)
+            arrivals = throughput.arrival_times(args.requests, args.arrival_rate)
+            for name, m in methods.items():
+                if m == "hf":
+                    continue  # transformers has no request pool
+                streams[f"{name} ({dtype})"] = throughput.stream_run(model, m, prompts, arrivals,
+                                                                     max_batch=args.max_batch,
+                                                                     max_new_tokens=args.max_new_tokens)
+                print(f"stream {name} ({dtype}): {streams[f'{name} ({dtype})']['tokens_per_s']:.1f} tok/s", flush=True)
+        del model
+    if records:
+        tables.append(throughput.sweep_table(records))
+        cross = {f"{m} ({d})": throughput.crossover(records, m, d)
+                 for d in dict.fromkeys(r["dtype"] for r in records) for m in args.methods if m not in ("none", "hf-greedy")}
+        tables.append("Smallest batch where a method runs below plain batched selfspec: "
+                      + ", ".join(f"{k}: {v if v is not None else 'never (up to the largest B)'}" for k, v in cross.items()))
+    else:
+        cross = {}
+    if streams:
+        tables.append(f"Stream: {args.requests} requests at {args.arrival_rate}/s, pool of {args.max_batch} rows\n\n"
+                      + throughput.stream_table(streams))
+    text = "\n\n".join(tables)
+    print(text)
+    if args.out:
+        write_result(args.out, dict(args=vars(args), command=command, provenance=prov, sweep=records,
+                                    crossover=cross, stream=streams), f"`{command}`\n\n{text}\n")
+        if records:
+            throughput.plot_sweep(records, args.out + ".png", args.title)
 
 
 def write(out: str, args: dict, records, command: str, title: str = "", prov: dict | None = None) -> None:

@@ -96,6 +96,14 @@ class Controller:
         self._pending: dict | None = None
         self._draws: dict = {}
 
+    def fork(self, seed: int) -> "Controller":
+        """A controller for another sequence decoded beside this one (a batch row): its members
+        are the members' forks, its arm draws its own ``random.Random(seed)``; the acceptance and
+        cost models are shared, so rows learn from each other and weigh the same passes."""
+        twin = Controller([m.fork() for m in self.members], replace(self.config, seed=seed), cost=self.cost)
+        twin.acceptance = self.acceptance
+        return twin
+
     # ------------------------------------------------------------------ lifecycle
     def check_target(self, model) -> None:
         for m in self.members:
@@ -232,12 +240,13 @@ class Controller:
         self._pending = dict(arm=a, state=state, tree=tree, sources=sources, draft_s=spent, drafted=drafted)
         return Proposal(tree, handoff)
 
-    def observe(self, tree: DraftTree, verdict: Verdict, tokens: list[int], verify_s: float) -> None:
-        """Record the verified step: ``tokens`` committed, ``verify_s`` seconds of its tree pass."""
+    def observe(self, tree: DraftTree, verdict: Verdict, tokens: list[int], verify_s: float | None) -> None:
+        """Record the verified step: ``tokens`` committed, ``verify_s`` seconds of its tree pass
+        (``None``: the caller times passes itself, as a batch does for all its rows at once)."""
         pending, self._pending = self._pending, None
         self.usual += 0.1 * (len(tokens) - self.usual)
         proposed = set(self.arms[pending["arm"]]) if pending is not None else set()
-        if self.cost is not None:
+        if self.cost is not None and verify_s is not None:
             self.cost.record_verify(tree.num_nodes, verify_s)
         if pending is not None and pending["tree"] is tree:
             on_path, parents = set(verdict.path), tree.parents.tolist()

@@ -8,6 +8,11 @@ CPU model, thread count and torch version: a curve is never borrowed from anothe
 engine's own clock then corrects it online: every step's verify seconds over ``c(n)`` feed a
 moving scale (the context grows, other load comes and goes).
 
+In a batch (:mod:`selfspec.batch`) one pass scores every row's tree, so a row's share of a pass
+over ``n`` nodes per row is ``c(rows * n) / rows`` (:attr:`CostModel.rows`, set by the batch each
+step): a row's controller weighs its tree against that share, and speculation turns itself down
+where the pass stops being memory bound.
+
 Members' drafting seconds are moving averages of the engine-timed ``propose`` calls; a call that
 first had to catch up on many skipped positions is charged apart, per position (*catch-up*), so
 both costs stay what a step of that member costs now.
@@ -37,6 +42,7 @@ class CostModel:
         self.curve = {n: float(curve[n]) for n in self.sizes}
         self.source, self.ema = source, ema
         self.scale = 1.0
+        self.rows = 1  # sequences sharing each pass (a batch's rows)
         self.draft_s: dict[int, float] = {}  # member -> seconds of a call per level drafted
         self.catch_up_s: dict[int, float] = {}  # member -> seconds per position caught up
         self.draft_calls: dict[int, int] = {}
@@ -44,7 +50,13 @@ class CostModel:
         self.verify_calls = 0
 
     def verify(self, n: int) -> float:
-        """Predicted seconds of a step verifying ``n`` nodes (linear between measured sizes)."""
+        """Predicted seconds of a step verifying ``n`` nodes (linear between measured sizes); with
+        ``rows`` sequences per pass, one row's share of a pass over ``n`` nodes per row."""
+        if self.rows > 1:
+            return self._verify(n * self.rows) / self.rows
+        return self._verify(n)
+
+    def _verify(self, n: int) -> float:
         s = self.sizes
         if n <= s[0]:
             base = self.curve[s[0]]
@@ -62,7 +74,8 @@ class CostModel:
         return self.draft_s.get(member, 0.0) * levels + self.catch_up_s.get(member, 0.0) * behind
 
     def record_verify(self, n: int, seconds: float) -> None:
-        """One step's verify ``seconds`` for ``n`` nodes: moves the curve's scale."""
+        """One step's verify ``seconds`` for ``n`` nodes (in a batch: a row's share of the pass,
+        ``n`` nodes per row): moves the curve's scale."""
         self.verify_calls += 1
         ratio = seconds / max(self.verify(n) / self.scale, 1e-9)
         self.scale += max(self.ema, 1 / self.verify_calls) * (min(ratio, 4 * self.scale) - self.scale)

@@ -16,6 +16,7 @@ decides which drafters run). Ten members make the whole contract:
 ``context_key``   optional: a small int saying how promising the context looks to this drafter
 ``prior``         optional: measured acceptance to start the controller's acceptance model from
 ``check_target``  refuse a model other than the one the drafter was built for
+``fork``          a twin for another sequence decoded at the same time (a batch row)
 ================  =================================================================================
 
 A new drafter is one file::
@@ -35,6 +36,7 @@ the verifier does the rest. Whatever a drafter proposes, the output law is the t
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -195,6 +197,15 @@ class Drafter(ABC):
 
     def reset(self) -> None:
         """Called at the start of every generation."""
+
+    def fork(self) -> "Drafter":
+        """A twin that drafts for another sequence decoded beside this one (a row of a batch):
+        it shares weights and anything learnt across generations, and owns its per-generation
+        state. Default: a shallow copy, then :meth:`reset` (which must rebind, not mutate, that
+        state); drafters whose per-generation state is mutated in place override this."""
+        twin = copy.copy(self)
+        twin.reset()
+        return twin
 
     def end(self, tokens: torch.Tensor, prompt_len: int) -> None:
         """Called once when a generation ends: ``tokens`` ``[L]`` is the prompt (its first

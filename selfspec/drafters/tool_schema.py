@@ -13,6 +13,8 @@ so, so the controller runs it only inside calls.
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 
 from ..tool_grammar import ToolCallTracker, call_format
@@ -77,6 +79,11 @@ class ToolCallDrafter(Drafter):
     def reset(self) -> None:
         if self.tracker is not None:
             self.tracker.reset()
+
+    def fork(self) -> "ToolCallDrafter":
+        twin = copy.copy(self)
+        twin.tracker, twin.tools = None, None  # its own tracker, built at its first call
+        return twin
 
     def _forced(self, ctx: DraftContext) -> str:
         self._use_tools(ctx.tools)

@@ -1,0 +1,220 @@
+"""Batched speculation (selfspec.batch): every row decodes exactly as it would alone.
+
+* Greedy identity per row: float64 tiny models of every family, prompts of mixed lengths, rows
+  with different budgets finishing at different steps, requests joining a running pool late,
+  plain / prompt lookup / an EAGLE-3 head / their union: each row equals ``model.generate`` on
+  that prompt alone.
+* The law per row at T > 0: two interleaved prompts with their own exact laws, sampled drafts,
+  chi-square per prompt; negative control: a commit that copies a neighbour row's keys and values
+  (a row reading another row's cache) fails.
+* Inputs: padded ``[B, L]`` ids with an attention mask (left and right padding) equal the list of
+  prompts; holes in the mask, empty batches and bad ``max_batch`` are refused.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.batch import BatchTarget, Pool
+from selfspec.control import Controller
+from selfspec.control.cost import CostModel
+from selfspec.sampling import SamplingConfig, target_probs
+from stubs import ScriptedDrafter
+from test_distribution import chi_square_ok
+from tiny_models import FAMILIES, tiny_model
+
+VOCAB = 64
+PROMPTS = [[3, 9, 27, 3, 9, 27, 3, 9, 5, 11], [7, 1], [5, 6, 5, 6, 5, 6, 5], [2, 40, 2, 40, 2, 40, 2, 40, 2, 40, 2, 33],
+           [12]]
+
+
+def alone(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0]
+
+
+def _eagle3(model, seed=0):
+    d = selfspec.build_drafter(model, "eagle3", draft_vocab_size=16)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.4)
+    return d
+
+
+def _drafters(model):
+    return {
+        "plain": None,
+        "ngram": selfspec.build_drafter(model, "ngram", min_ngram=1),
+        "eagle3": _eagle3(model),
+        "union": [_eagle3(model), selfspec.build_drafter(model, "ngram", min_ngram=1)],
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_row_equals_its_prompt_decoded_alone(family):
+    model = tiny_model(family, vocab=VOCAB)
+    budgets = [30, 12, 25, 7, 18]
+    refs = [alone(model, p, n) for p, n in zip(PROMPTS, budgets)]
+    for name, drafter in _drafters(model).items():
+        pool = Pool(model, drafter, max_batch=len(PROMPTS))
+        handles = [pool.submit(torch.tensor(p), max_new_tokens=n, eos_token_id=[]) for p, n in zip(PROMPTS, budgets)]
+        finished = pool.run()
+        assert sorted(h.index for h in finished) == list(range(len(PROMPTS)))
+        for h, ref in zip(handles, refs):
+            assert torch.equal(h.output.sequences[0], ref), (family, name, h.index)
+            assert h.output.finish_reason == "length"
+        assert pool.idle and pool.target.rows == 0
+
+
+def test_rows_finishing_at_different_steps_and_joining_late():
+    """Seven requests through a pool of two rows: each joins when a row leaves (its prefill between
+    the other's steps), rows stop at EOS or their budget; each equals its prompt alone."""
+    model = tiny_model("gemma3", vocab=VOCAB)
+    prompts = PROMPTS + [[1, 2, 3, 4, 5, 6, 7, 8, 9], [33, 34]]
+    budgets = [20, 5, 14, 9, 11, 3, 16]
+    refs = [alone(model, p, n) for p, n in zip(prompts, budgets)]
+    eos = int(refs[0][len(prompts[0]) + 6])  # the 7th token of the first row ends it there
+    pool = Pool(model, [_eagle3(model), selfspec.build_drafter(model, "ngram", min_ngram=1)], max_batch=2)
+    handles = [pool.submit(torch.tensor(p), max_new_tokens=n, eos_token_id=eos if i == 0 else [])
+               for i, (p, n) in enumerate(zip(prompts, budgets))]
+    sizes = []
+    while not pool.idle:
+        pool.step()
+        sizes.append(pool.target.rows)
+    assert max(sizes) == 2 and pool.stats.steps > 0
+    first = refs[0][: len(prompts[0]) + 7]
+    assert torch.equal(handles[0].output.sequences[0], first) and handles[0].output.finish_reason == "eos"
+    for h, ref in zip(handles[1:], refs[1:]):
+        assert torch.equal(h.output.sequences[0], ref), h.index
+    assert all(h.admitted is not None and h.finished >= h.admitted for h in handles)
+    assert handles[-1].admitted > handles[0].admitted  # joined later
+
+
+def test_generate_takes_a_list_or_padded_ids_with_a_mask():
+    model = tiny_model("qwen2", vocab=VOCAB)
+    prompts = PROMPTS[:4]
+    refs = [alone(model, p, 10) for p in prompts]
+    width = max(len(p) for p in prompts)
+    left = torch.zeros(len(prompts), width, dtype=torch.long)
+    right = torch.zeros_like(left)
+    mask_l, mask_r = torch.zeros_like(left), torch.zeros_like(left)
+    for b, p in enumerate(prompts):
+        left[b, width - len(p):], mask_l[b, width - len(p):] = torch.tensor(p), 1
+        right[b, : len(p)], mask_r[b, : len(p)] = torch.tensor(p), 1
+    drafter = selfspec.build_drafter(model, "ngram", min_ngram=1)
+    for ids, mask in ((prompts, None), (left, mask_l), (right, mask_r)):
+        out = selfspec.generate(model, ids, attention_mask=mask, drafter=drafter, max_new_tokens=10, eos_token_id=[])
+        assert isinstance(out, selfspec.batch.BatchOutput)
+        assert all(torch.equal(s, r) for s, r in zip(out.sequences, refs))
+        assert out.padded(0).shape == (4, max(r.shape[0] for r in refs))
+    one = selfspec.generate(model, left[1:2], attention_mask=mask_l[1:2], max_new_tokens=10, eos_token_id=[])
+    assert torch.equal(one.sequences[0], refs[1])
+
+
+def test_batch_inputs_are_checked():
+    model = tiny_model("llama", vocab=VOCAB)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match="holes"):
+        selfspec.generate(model, ids, attention_mask=torch.tensor([[1, 0, 1], [1, 1, 1]]))
+    with pytest.raises(ValueError, match="masks every token"):
+        selfspec.generate(model, ids, attention_mask=torch.tensor([[0, 0, 0], [1, 1, 1]]))
+    with pytest.raises(ValueError, match="shape"):
+        selfspec.generate(model, ids, attention_mask=torch.tensor([[1, 1], [1, 1]]))
+    with pytest.raises(ValueError, match="one prompt"):
+        selfspec.generate(model, ids, streamer=object())
+    with pytest.raises(ValueError, match="max_batch"):
+        Pool(model, max_batch=0)
+    with pytest.raises(ValueError, match=r"\[0, 64\)"):
+        selfspec.generate(model, [[1, 2], [3, 99]])
+    with pytest.raises(ValueError, match="temperature"):
+        Pool(model).submit(torch.tensor([1, 2]), temperature=-1.0)
+
+
+def test_a_rows_cost_share_falls_with_the_batch():
+    cost = CostModel({1: 1.0, 8: 1.2, 64: 4.0})
+    alone_ = cost.verify(8)
+    cost.rows = 8
+    assert cost.verify(1) == pytest.approx(1.2 / 8)  # eight rows of one node: one pass of eight
+    assert cost.verify(8) == pytest.approx(4.0 / 8)  # eight rows of eight nodes
+    assert cost.verify(8) / cost.verify(1) > alone_ / cost.__class__({1: 1.0, 8: 1.2, 64: 4.0}).verify(1)
+
+
+# ---------------------------------------------------------------- the law per row at T > 0
+LAW_VOCAB, NEW = 6, 3
+LAW_PROMPTS = ([1, 2, 3], [4, 0, 5, 5, 1])
+ROWS = 100  # per prompt, per pool
+SAMPLES = int(os.environ.get("SELFSPEC_BATCH_LAW_SAMPLES", 8_000))
+
+
+def _law_model():
+    """Sliding-window layers and attention strong enough that the context moves the next token's
+    law (total variation about 0.2 between the two prompts' contexts), so a row reading another
+    row's keys and values shows."""
+    model = tiny_model("qwen2", vocab=LAW_VOCAB, layers=3, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(5)
+        for layer in model.model.layers:
+            for proj, scale in ((layer.self_attn.q_proj, 3), (layer.self_attn.k_proj, 3),
+                                (layer.self_attn.v_proj, 8), (layer.self_attn.o_proj, 8)):
+                proj.weight.mul_(scale)
+    return model
+
+
+def _exact(model, cfg, prompt):
+    import itertools
+
+    law = {}
+    for seq in itertools.product(range(LAW_VOCAB), repeat=NEW):
+        prob, ctx = 1.0, list(prompt)
+        for tok in seq:
+            with torch.no_grad():
+                logits = model(torch.tensor([ctx])).logits[0, -1]
+            prob *= float(target_probs(logits, cfg)[tok])
+            ctx.append(tok)
+        if prob > 0:
+            law[seq] = prob
+    return law
+
+
+def _batch_counts(model, cfg, n):
+    counts = [dict(), dict()]
+    drafter = ScriptedDrafter(LAW_VOCAB, point=1, sampled=2)
+    drafter.check_target = lambda m: None
+    runs = max(1, n // ROWS)
+    for r in range(runs):
+        pool = Pool(model, drafter, control=False, max_batch=2 * ROWS)
+        handles = [pool.submit(torch.tensor(LAW_PROMPTS[i % 2]), max_new_tokens=NEW, temperature=cfg.temperature,
+                               top_k=cfg.top_k, seed=r * 2 * ROWS + i, eos_token_id=[]) for i in range(2 * ROWS)]
+        pool.run()
+        for i, h in enumerate(handles):
+            key = tuple(h.output.sequences[0, len(LAW_PROMPTS[i % 2]):].tolist())
+            counts[i % 2][key] = counts[i % 2].get(key, 0) + 1
+    return counts, runs * ROWS
+
+
+def _neighbour_commit(self, paths, real):
+    """Lossy: after each commit the cache's rows are shifted by one, so every request reads its
+    neighbour's cache from then on (rows misaligned with their requests)."""
+    real(self, paths)
+    for layer in self.cache.layers:
+        layer.keys, layer.values = layer.keys.roll(1, dims=0), layer.values.roll(1, dims=0)
+
+
+@pytest.mark.parametrize("lossy", [False, True])
+def test_the_law_of_every_row_is_its_prompts_law(lossy, monkeypatch):
+    model = _law_model()
+    cfg = SamplingConfig(1.0, top_k=0)
+    if lossy:
+        real = BatchTarget.commit
+        monkeypatch.setattr(BatchTarget, "commit", lambda self, paths: _neighbour_commit(self, paths, real))
+    counts, n = _batch_counts(model, cfg, SAMPLES // 4 if lossy else SAMPLES)
+    results = [chi_square_ok(_exact(model, cfg, p), c, n=n) for p, c in zip(LAW_PROMPTS, counts)]
+    if lossy:
+        assert not all(ok for ok, _ in results), results
+    else:
+        assert all(ok for ok, _ in results), results
