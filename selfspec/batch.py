@@ -28,6 +28,11 @@ alone. The cost model is told the batch's size (:attr:`selfspec.control.cost.Cos
 each row weighs its tree against its share of the pass, and speculation turns itself down as the
 pass stops being memory bound.
 
+**The batch's word.** Every pass costs the batch's largest tree for every row, which no row's
+controller sees, so a :class:`BatchGate` compares measured tokens per second of speculative and
+plain steps at this batch size and runs plain steps while speculation measures slower (probing
+it again after 1, 2, 4, ... steps).
+
 **Continuous batching.** :class:`Pool` holds waiting requests; between steps, finished rows leave
 and waiting ones join (each prefilled alone, then merged into the batch cache), up to
 ``max_batch`` rows.
@@ -256,6 +261,46 @@ def _join(old: torch.Tensor | None, new: torch.Tensor | None, count: int, width:
     return out
 
 
+class BatchGate:
+    """Whether a batch's rows may draft this step, from measured tokens per second at this batch
+    size: speculative steps (each row's controller decides its tree) against plain steps (one
+    token per row, nothing drafted). Every pass costs the batch's largest tree for every row, and
+    rows' controllers each see only their own share, so the batch keeps the final word: while
+    speculative steps measure slower, plain steps run and speculation is tried again after 1, 2,
+    4, ... plain steps (a batch where it does not pay spends a logarithmic share of its steps
+    finding out); as soon as it measures faster, every step may draft again. Rates are moving
+    averages per batch size (weight ``ema`` on the newest step)."""
+
+    def __init__(self, ema: float = 0.3):
+        self.ema = ema
+        self.rate: dict[tuple[int, bool], float] = {}
+        self.wait: dict[int, int] = {}
+        self.backoff: dict[int, int] = {}
+
+    def draft(self, rows: int) -> bool:
+        spec, plain = self.rate.get((rows, True)), self.rate.get((rows, False))
+        if spec is None:
+            return True
+        if plain is None:
+            return False
+        if spec >= plain or self.wait.get(rows, 0) <= 0:
+            return True
+        self.wait[rows] -= 1
+        return False
+
+    def record(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        key, rate = (rows, drafted), tokens / max(seconds, 1e-9)
+        old = self.rate.get(key)
+        self.rate[key] = rate if old is None else old + self.ema * (rate - old)
+        plain = self.rate.get((rows, False))
+        if drafted and plain is not None:
+            if self.rate[key] < plain:
+                self.backoff[rows] = 2 * self.backoff.get(rows, 1) if self.wait.get(rows, 0) <= 0 else self.backoff[rows]
+                self.wait[rows] = self.backoff[rows]
+            else:
+                self.backoff[rows], self.wait[rows] = 1, 0
+
+
 # ---------------------------------------------------------------------- requests
 @dataclass
 class PoolStats:
@@ -333,6 +378,7 @@ class Pool:
         self.waiting: deque[Handle] = deque()
         self.running: list[Handle] = []
         self.stats = PoolStats()
+        self.gate = BatchGate()
         self._count = itertools.count()
         self.lock = model_lock(model)
 
@@ -399,10 +445,12 @@ class Pool:
         cost = self.controller.cost if self.controller is not None else None
         if cost is not None:
             cost.rows = rows
+        drafting = self.controller is not None and self.gate.draft(rows)
         trees, draft_s = [], []
+        t0 = clock()
         for h in self.running:
             t = clock()
-            tree, _ = h.request.propose(clock)
+            tree, _ = h.request.propose(clock, draft=drafting)
             trees.append(tree)
             draft_s.append(clock() - t)
         t1 = clock()
@@ -426,9 +474,12 @@ class Pool:
         verify_s = t4 - t1
         if cost is not None:
             cost.record_verify(n_max, verify_s / rows)
+        emitted = 0
         for h, tree, verdict, out, d in zip(self.running, trees, verdicts, scored, draft_s):
-            h.request.advance(tree, verdict, out.hidden, out.taps, d, verify_s, t4, None)
+            emitted += len(h.request.advance(tree, verdict, out.hidden, out.taps, d, verify_s, t4, None))
             h.request.check_budget()
+        if self.controller is not None:
+            self.gate.record(rows, drafting, emitted, t4 - t0)
         return self._retire()
 
     def _retire(self) -> list[Handle]:

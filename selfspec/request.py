@@ -124,11 +124,12 @@ class Request:
             self.finish = "context"
         return not self.done
 
-    def propose(self, clock, cache=None):
+    def propose(self, clock, cache=None, draft: bool = True):
         """``(tree, handoff)`` for this step (``cache``: the target's, for a drafter that runs the
-        target's first layers in it; only when the request decodes alone)."""
+        target's first layers in it; only when the request decodes alone; ``draft=False``: a
+        plain step, the controller not asked)."""
         budget = self.budget()
-        if self.controller is None or budget <= 1:
+        if self.controller is None or budget <= 1 or not draft:
             return DraftTree.root_only(int(self.tokens[self.length - 1])), None
         ctx = DraftContext(self.tokens[: self.length], self.root_hidden, budget - 1, self.s.cfg, self.s.gen, cache,
                            features=self.taps.committed(self.length - 1) if self.taps is not None else None,

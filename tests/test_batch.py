@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.batch import BatchTarget, Pool
+from selfspec.batch import BatchGate, BatchTarget, Pool
 from selfspec.control import Controller
 from selfspec.control.cost import CostModel
 from selfspec.sampling import SamplingConfig, target_probs
@@ -52,6 +52,9 @@ def _drafters(model):
         "ngram": selfspec.build_drafter(model, "ngram", min_ngram=1),
         "eagle3": _eagle3(model),
         "union": [_eagle3(model), selfspec.build_drafter(model, "ngram", min_ngram=1)],
+        "medusa": selfspec.build_drafter(model, "medusa", num_heads=3, num_layers=1),
+        "layerskip": selfspec.build_drafter(model, "layerskip", exit_layer=1),
+        "suffix": selfspec.build_drafter(model, "suffix"),
     }
 
 
@@ -142,6 +145,24 @@ def test_a_rows_cost_share_falls_with_the_batch():
     assert cost.verify(1) == pytest.approx(1.2 / 8)  # eight rows of one node: one pass of eight
     assert cost.verify(8) == pytest.approx(4.0 / 8)  # eight rows of eight nodes
     assert cost.verify(8) / cost.verify(1) > alone_ / cost.__class__({1: 1.0, 8: 1.2, 64: 4.0}).verify(1)
+
+
+def test_the_batch_gate_runs_plain_steps_while_speculation_measures_slower():
+    gate, pattern = BatchGate(), []
+    for _ in range(40):  # speculation at 4 tokens/s, plain at 8
+        d = gate.draft(4)
+        pattern.append(d)
+        gate.record(4, d, 4 if d else 8, 1.0)
+    assert pattern[:2] == [True, False]  # each measured once
+    assert sum(pattern) <= 6  # then probed after 1, 2, 4, 8, ... plain steps
+    later = []
+    for _ in range(40):  # speculation turns faster: from its next probe on, every step drafts
+        d = gate.draft(4)
+        later.append(d)
+        gate.record(4, d, 40 if d else 8, 1.0)
+    first = later.index(True)
+    assert first <= 32 and all(later[first:])
+    assert gate.draft(8)  # another batch size is measured on its own
 
 
 # ---------------------------------------------------------------- the law per row at T > 0

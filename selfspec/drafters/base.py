@@ -3,7 +3,7 @@
 A drafter never loads models, never runs the decode loop and never keeps a clock: the engine asks
 ``propose(ctx)`` (and times it), verifies, and shows every drafter the committed step through
 ``observe(step)``, whether or not its tree was used (the controller in :mod:`selfspec.control`
-decides which drafters run). Ten members make the whole contract:
+decides which drafters run). Eleven members make the whole contract:
 
 ================  =================================================================================
 ``kind``          registry name (:func:`selfspec.drafters.register`)
