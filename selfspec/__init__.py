@@ -9,6 +9,8 @@ Public API::
     controller = selfspec.Controller([eagle3, ngram])      # keeps what it measures across calls
     for tokens in selfspec.stream(model, ids, drafter=drafter):   # each step's verified tokens
         ...
+    out = selfspec.generate(model, [ids_a, ids_b], drafter=drafter)   # a batch: out.outputs[b]
+    pool = selfspec.Pool(model, drafter, max_batch=8)                 # continuous batching
 """
 
 def _check_transformers() -> None:
@@ -25,6 +27,7 @@ def _check_transformers() -> None:
 MIN_TRANSFORMERS = (5, 24)
 _check_transformers()
 
+from .batch import BatchOutput, Pool
 from .control import ControlConfig, Controller
 from .custom_generate import custom_generate
 from .drafters import DraftContext, Drafter, TargetSignature, build_drafter, load_drafter, register, save_drafter
@@ -37,7 +40,7 @@ from .tree import DraftTree, Law, TreeBuilder, TreeTemplate
 from .verify import Verdict, verify_tree
 
 __all__ = [
-    "ControlConfig", "Controller", "DEFAULT_TARGET", "DraftContext", "DraftTree", "Drafter", "Law", "PrefixCache", "SamplingConfig", "SpecOutput",
+    "BatchOutput", "Pool", "ControlConfig", "Controller", "DEFAULT_TARGET", "DraftContext", "DraftTree", "Drafter", "Law", "PrefixCache", "SamplingConfig", "SpecOutput",
     "SpecStats", "SpecStream", "TargetSignature", "TreeBuilder", "TreeTemplate", "Verdict", "build_drafter", "custom_generate",
     "generate", "load_drafter", "load_target", "register", "save_drafter", "stream", "verify_tree",
 ]

@@ -13,6 +13,7 @@ from transformers import GenerationConfig, LogitsProcessorList, RepetitionPenalt
 
 import selfspec
 import selfspec.logits_processing as lp
+import selfspec.request
 from selfspec.drafters import build_drafter
 from selfspec.engine import decode
 from selfspec.sampling import SamplingConfig, target_probs
@@ -146,7 +147,7 @@ def test_processed_law_equals_plain_processed_law(lossy, monkeypatch):
             root = type(tree).root_only(int(tree.tokens[0]))
             return torch.cat([real(processor, committed, root, logits[i:i + 1]) for i in range(logits.shape[0])])
 
-        monkeypatch.setattr(selfspec.engine, "process_tree", root_path_for_all)
+        monkeypatch.setattr(selfspec.request, "process_tree", root_path_for_all)
     cfg = SamplingConfig(0.9)
     n = control_samples(SAMPLES) if lossy else SAMPLES
     ok, msg = chi_square_ok(_processed_law(cfg), _counts(cfg, n), n=n)
