@@ -52,11 +52,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .control import Controller
 from .request import (Request, SpecOutput, check_prompt, controller_for, model_lock, settings, sync)
 from .lm_head import head_matches_forward, lm_logits
 from .attention_mask import MaskBuilder
-from .target import TreeOutput, TreeTarget, context_length
+from .target import TreeOutput, context_length
 from .taps import capture_taps
 from .tree import DraftTree
 

@@ -18,16 +18,19 @@ import contextlib
 import threading
 import time
 import weakref
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from .control import Controller
+from .control import ControlConfig, Controller
 from .drafters.base import Drafter
 from .request import (Request, Settings, SpecOutput, check_prompt, controller_for, model_lock, sampling,
                       settings, sync)
 from .sampling import SamplingConfig
 from .target import TreeTarget, context_length
+
+if TYPE_CHECKING:
+    from .batch import BatchOutput
 
 _sampling = sampling  # (the name the tests use)
 

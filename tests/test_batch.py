@@ -20,7 +20,6 @@ import torch
 
 import selfspec
 from selfspec.batch import BatchGate, BatchTarget, Pool
-from selfspec.control import Controller
 from selfspec.control.cost import CostModel
 from selfspec.sampling import SamplingConfig, target_probs
 from stubs import ScriptedDrafter

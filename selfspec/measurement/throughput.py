@@ -98,7 +98,7 @@ def sweep(model, methods: dict, prompts: list[torch.Tensor], batch_sizes: list[i
                 wall += seconds
                 latencies += lat
             rec = dict(batch=B, method=name, prompts=count, tokens=tokens, seconds=wall, tokens_per_s=tokens / wall,
-                       latency_s=sorted(latencies), identical_rows=same, batch_seconds=None, pool=pool)
+                       latency_s=sorted(latencies), identical_rows=same, pool=pool)
             records.append(rec)
             if progress is not None:
                 progress(rec)
