@@ -445,13 +445,8 @@ class Pool:
         if cost is not None:
             cost.rows = rows
         drafting = self.controller is not None and self.gate.draft(rows)
-        trees, draft_s = [], []
         t0 = clock()
-        for h in self.running:
-            t = clock()
-            tree, _ = h.request.propose(clock, draft=drafting)
-            trees.append(tree)
-            draft_s.append(clock() - t)
+        trees, draft_s = self._draft(drafting)
         t1 = clock()
         scored = self.target.forward_trees(trees)
         sync(self.target.device)
@@ -480,6 +475,38 @@ class Pool:
         if self.controller is not None:
             self.gate.record(rows, drafting, emitted, t4 - t0)
         return self._retire()
+
+    def _draft(self, drafting: bool) -> tuple[list[DraftTree], list[float]]:
+        """Every row's tree for this step and each row's drafting seconds: each row's controller
+        plans its arm, then every member drafts for all the rows that asked it in one
+        :meth:`~selfspec.drafters.base.Drafter.propose_many` call (its seconds shared evenly by
+        those rows), and each row's controller assembles its tree."""
+        plans, calls = [], {}
+        for b, h in enumerate(self.running):
+            ctx = h.request.context(draft=drafting)
+            plan = None if ctx is None else h.request.controller.plan(ctx)
+            plans.append(plan)
+            for m, mctx in plan or ():
+                calls.setdefault(m, []).append((b, mctx))
+        results: list[list] = [[] for _ in self.running]
+        for m, asked in sorted(calls.items()):
+            drafters = [self.running[b].request.controller.members[m] for b, _ in asked]
+            t = self.clock()
+            proposals = type(drafters[0]).propose_many(drafters, [mctx for _, mctx in asked])
+            share = (self.clock() - t) / len(asked)
+            for (b, _), proposal in zip(asked, proposals):
+                results[b].append((m, proposal, share))
+        trees, seconds = [], []
+        for h, plan, got in zip(self.running, plans, results):
+            if plan is None:
+                trees.append(DraftTree.root_only(int(h.request.tokens[h.request.length - 1])))
+                seconds.append(0.0)
+                continue
+            order = {m: i for i, (m, _) in enumerate(plan)}
+            got.sort(key=lambda r: order[r[0]])
+            trees.append(h.request.controller.assemble([(p, s) for _, p, s in got]).tree)
+            seconds.append(sum(s for _, _, s in got))
+        return trees, seconds
 
     def _retire(self) -> list[Handle]:
         done = [i for i, h in enumerate(self.running) if h.request.done]

@@ -128,14 +128,21 @@ class Request:
         """``(tree, handoff)`` for this step (``cache``: the target's, for a drafter that runs the
         target's first layers in it; only when the request decodes alone; ``draft=False``: a
         plain step, the controller not asked)."""
-        budget = self.budget()
-        if self.controller is None or budget <= 1 or not draft:
+        ctx = self.context(cache, draft)
+        if ctx is None:
             return DraftTree.root_only(int(self.tokens[self.length - 1])), None
-        ctx = DraftContext(self.tokens[: self.length], self.root_hidden, budget - 1, self.s.cfg, self.s.gen, cache,
-                           features=self.taps.committed(self.length - 1) if self.taps is not None else None,
-                           prompt_len=self.prompt_len, tools=self.s.tools)
         proposal = self.controller.propose(ctx, clock)
         return proposal.tree, proposal.handoff
+
+    def context(self, cache=None, draft: bool = True) -> DraftContext | None:
+        """What this step's drafters see (:meth:`propose`), or ``None`` for a plain step (no
+        controller, no room for a draft, or ``draft=False``)."""
+        budget = self.budget()
+        if self.controller is None or budget <= 1 or not draft:
+            return None
+        return DraftContext(self.tokens[: self.length], self.root_hidden, budget - 1, self.s.cfg, self.s.gen, cache,
+                            features=self.taps.committed(self.length - 1) if self.taps is not None else None,
+                            prompt_len=self.prompt_len, tools=self.s.tools)
 
     def settle(self, tree: DraftTree, logits: torch.Tensor) -> Verdict:
         """Verify ``tree`` against its nodes' logits ``[n, V]`` after this request's constraint

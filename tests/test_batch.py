@@ -7,6 +7,8 @@
 * The law per row at T > 0: two interleaved prompts with their own exact laws, sampled drafts,
   chi-square per prompt; negative control: a commit that copies a neighbour row's keys and values
   (a row reading another row's cache) fails.
+* Heads draft for every row in one call per level (EAGLE-3, Medusa, layer-skip): each row's tree
+  is the one it drafts alone; negative control: rows seeing each other's keys draft other trees.
 * Inputs: padded ``[B, L]`` ids with an attention mask (left and right padding) equal the list of
   prompts; holes in the mask, empty batches and bad ``max_batch`` are refused.
 """
@@ -162,6 +164,97 @@ def test_the_batch_gate_runs_plain_steps_while_speculation_measures_slower():
     first = later.index(True)
     assert first <= 32 and all(later[first:])
     assert gate.draft(8)  # another batch size is measured on its own
+
+
+# ---------------------------------------------------------------- heads draft every row in one call
+def _contexts(model, drafter, prompts, temperature):
+    """One draft context per prompt as the engine builds it (its taps, its root's hidden state,
+    its own generator)."""
+    from selfspec.drafters.base import DraftContext
+    from selfspec.taps import capture_taps
+
+    ctxs = []
+    for i, p in enumerate(prompts):
+        ids = torch.tensor(p)
+        with capture_taps(model, drafter.requires.taps) as rec:
+            out = model(ids[None], output_hidden_states=True)
+        feats = rec.get()[0, :-1] if drafter.requires.taps else None
+        ctxs.append(DraftContext(ids, out.hidden_states[-1][0, -2], 4, SamplingConfig(temperature=temperature),
+                                 torch.Generator().manual_seed(i), features=feats, prompt_len=1))
+    return ctxs
+
+
+def _same_tree(a, b) -> bool:
+    same = torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) and torch.equal(a.laws, b.laws)
+    if same and a.draft_probs is not None:
+        same = torch.equal(a.draft_row, b.draft_row) and torch.allclose(a.draft_probs, b.draft_probs, atol=1e-12)
+    return same
+
+
+def _leak(module, name):
+    """Negative control: after the batch is built, each row's queries also see every other row's
+    slots (and pads)."""
+    init = getattr(module, name).__init__
+
+    def leaky(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.seen[:] = True
+
+    return leaky
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "layerskip"])
+@pytest.mark.parametrize("leak", [False, True])
+def test_heads_draft_every_row_in_one_call_as_each_would_alone(family, kind, leak, monkeypatch):
+    """``propose_many`` over five rows of mixed lengths gives each row the tree (tokens, shape,
+    laws, draft distributions) it drafts alone, greedy and sampled, on a first step and after its
+    rows grew by different amounts; the model runs once per level for all rows. Negative control:
+    rows that see each other's keys (EAGLE-3, layer-skip) or each other's hidden state (Medusa)
+    draft other trees."""
+    import selfspec.drafters.eagle3 as eagle3_mod
+    import selfspec.drafters.layerskip as layerskip_mod
+
+    model = tiny_model(family, vocab=VOCAB)
+    drafter = {"eagle3": lambda: _eagle3(model),
+               "medusa": lambda: selfspec.build_drafter(model, "medusa", num_heads=3, num_layers=1),
+               "layerskip": lambda: selfspec.build_drafter(model, "layerskip", exit_layer=1)}[kind]()
+    if kind == "medusa":
+        with torch.no_grad():
+            for p in drafter.heads.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1), dtype=p.dtype) * 0.5)
+    calls = []
+    counted = {"eagle3": lambda: (drafter.head, "step_many"), "medusa": lambda: (drafter.heads, "logits"),
+               "layerskip": lambda: (type(drafter.body), "__call__")}[kind]()
+    original = getattr(*counted)
+
+    def count(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(*counted, count)
+    if leak and kind != "medusa":
+        module, name = (eagle3_mod, "_Rows") if kind == "eagle3" else (layerskip_mod, "_Rows")
+        monkeypatch.setattr(getattr(module, name), "__init__", _leak(module, name))
+    longer = [p + [1, 2, 3][: i % 3 + 1] for i, p in enumerate(PROMPTS)]
+    differs = False
+    for temperature in (0.0, 1.0):
+        alone_, batch = [drafter.fork() for _ in PROMPTS], [drafter.fork() for _ in PROMPTS]
+        for prompts in (PROMPTS[:4] + [[12, 4]], longer[:4] + [[12, 4, 1]]):
+            trees = [f.propose(c) for f, c in zip(alone_, _contexts(model, drafter, prompts, temperature))]
+            ctxs = _contexts(model, drafter, prompts, temperature)
+            if leak and kind == "medusa":
+                hidden = [c.root_hidden for c in ctxs]
+                for c, h in zip(ctxs, hidden[1:] + hidden[:1]):
+                    c.root_hidden = h
+            calls.clear()
+            many = type(drafter).propose_many(batch, ctxs)
+            assert len(calls) <= 1 + 4  # one catch-up, then one call per level, whatever the rows
+            same = [_same_tree(a, b) for a, b in zip(trees, many)]
+            differs |= not all(same)
+            if not leak:
+                assert all(same), (temperature, same)
+    assert differs == leak
 
 
 # ---------------------------------------------------------------- the law per row at T > 0

@@ -94,6 +94,7 @@ class Controller:
         self.arm_steps = [0] * len(self.arms)
         self.trace: list[dict] | None = None  # set to [] to record one dict per step
         self._pending: dict | None = None
+        self._plan: dict | None = None
         self._draws: dict = {}
 
     def fork(self, seed: int) -> "Controller":
@@ -208,16 +209,38 @@ class Controller:
     def propose(self, ctx: DraftContext, clock=time.perf_counter) -> Proposal:
         """This step's proposal (a root-only tree on the plain arm); members are timed on
         ``clock``, the engine's."""
-        a, state, budget, cap = self.choose(ctx)
-        arm, bucket = self.arms[a], temperature_bucket(ctx.sampling.temperature)
-        parts, spent, handoff = [], 0.0, None
-        for m in arm:
-            mctx = replace(ctx, point_mass=len(arm) > 1 and m != arm[0], max_nodes=budget,
-                           max_depth=ctx.max_depth if cap is None else min(ctx.max_depth, cap),
-                           cache=ctx.cache if len(arm) == 1 and self.members[m].requires.target_cache else None)
+        results = []
+        for m, mctx in self.plan(ctx):
             t0 = clock()
             proposal = Proposal.of(self.members[m].propose(mctx))
-            seconds = clock() - t0
+            results.append((proposal, clock() - t0))
+        return self.assemble(results)
+
+    def plan(self, ctx: DraftContext) -> list[tuple[int, DraftContext]]:
+        """The first half of :meth:`propose`: the members this step asks, each with its context
+        (empty on the plain arm). The caller runs them (a batch runs every row's calls to one
+        member together, :meth:`~selfspec.drafters.base.Drafter.propose_many`) and hands the
+        results to :meth:`assemble`."""
+        a, state, budget, cap = self.choose(ctx)
+        arm = self.arms[a]
+        calls = [(m, replace(ctx, point_mass=len(arm) > 1 and m != arm[0], max_nodes=budget,
+                             max_depth=ctx.max_depth if cap is None else min(ctx.max_depth, cap),
+                             cache=ctx.cache if len(arm) == 1 and self.members[m].requires.target_cache else None))
+                 for m in arm]
+        self._plan = dict(a=a, state=state, ctx=ctx, calls=calls)
+        return calls
+
+    def assemble(self, results: list[tuple[Proposal, float]]) -> Proposal:
+        """The second half of :meth:`propose`: the planned members' proposals with each one's
+        drafting seconds (in :meth:`plan`'s order) merged, cut and recorded."""
+        plan, self._plan = self._plan, None
+        a, state, ctx = plan["a"], plan["state"], plan["ctx"]
+        arm, bucket = self.arms[a], temperature_bucket(ctx.sampling.temperature)
+        if len(results) != len(arm):
+            raise ValueError(f"assemble got {len(results)} proposals for an arm of {len(arm)} members")
+        parts, spent, handoff = [], 0.0, None
+        for (m, mctx), (proposal, seconds) in zip(plan["calls"], results):
+            proposal = Proposal.of(proposal)
             spent += seconds
             tree = _checked_tree(proposal, mctx)
             self.cost.record_draft(m, seconds, self._behind(m, ctx), round(self.usual), tree.depth)

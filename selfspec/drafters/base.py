@@ -3,7 +3,7 @@
 A drafter never loads models, never runs the decode loop and never keeps a clock: the engine asks
 ``propose(ctx)`` (and times it), verifies, and shows every drafter the committed step through
 ``observe(step)``, whether or not its tree was used (the controller in :mod:`selfspec.control`
-decides which drafters run). Eleven members make the whole contract:
+decides which drafters run). Twelve members make the whole contract:
 
 ================  =================================================================================
 ``kind``          registry name (:func:`selfspec.drafters.register`)
@@ -17,6 +17,8 @@ decides which drafters run). Eleven members make the whole contract:
 ``prior``         optional: measured acceptance to start the controller's acceptance model from
 ``check_target``  refuse a model other than the one the drafter was built for
 ``fork``          a twin for another sequence decoded at the same time (a batch row)
+``propose_many``  optional: one call proposing for several forks (a batch's rows), e.g. one
+                  batched model call per tree level; default: each fork proposes alone
 ================  =================================================================================
 
 A new drafter is one file::
@@ -206,6 +208,15 @@ class Drafter(ABC):
         twin = copy.copy(self)
         twin.reset()
         return twin
+
+    @classmethod
+    def propose_many(cls, drafters: list["Drafter"], ctxs: list[DraftContext]) -> list["DraftTree | Proposal"]:
+        """What ``drafters[b].propose(ctxs[b])`` returns, for every b, in one call: ``drafters``
+        are forks of one drafter (a batch's rows, :meth:`fork`), each with its own context. A
+        drafter that runs a model overrides this to run all rows in one call; the trees must be
+        those each row would propose alone (up to floating-point rounding of the batched call).
+        Default: one ``propose`` per row."""
+        return [d.propose(c) for d, c in zip(drafters, ctxs)]
 
     def end(self, tokens: torch.Tensor, prompt_len: int) -> None:
         """Called once when a generation ends: ``tokens`` ``[L]`` is the prompt (its first

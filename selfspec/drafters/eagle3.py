@@ -27,7 +27,7 @@ from ..tree import DraftTree
 from .base import DraftContext, Drafter, Requirements, TargetSignature
 from .registry import register
 from .eagle3_head import Eagle3Head, default_taps, draft_layer_config
-from .expander import TreePolicy, expand
+from .expander import TreePolicy, expand_many
 
 HEAD_WEIGHTS = ("auto", "native", "int8")
 _INT8_COPIES: "weakref.WeakKeyDictionary[Eagle3Head, tuple]" = weakref.WeakKeyDictionary()  # head -> (key, copy)
@@ -142,66 +142,72 @@ class Eagle3Drafter(Drafter):
         """Run the committed pairs not run yet; returns the last pair's ``[1, H]`` output (None if
         P = 0). ``tokens``: ``[P + 1]`` all tokens; ``features``: ``[P, 3H]`` taps of every
         committed position."""
-        committed = tokens.shape[0] - 1
-        if self.cached > committed:
-            raise RuntimeError(f"eagle3 drafter holds {self.cached} pairs but only {committed} positions are "
-                               "committed (a new generation without reset?)")
-        if self.cached == committed:
-            return self._last
-        if features is None or features.shape[0] < committed:
-            raise RuntimeError(f"eagle3 drafter needs the taps of all {committed} committed positions, got "
-                               f"{0 if features is None else features.shape[0]}")
-        dev, dtype = self._device_dtype()
-        lo, m = self.cached, committed - self.cached
-        head = self.run_head
-        feats = head.fuse(features[lo:committed].to(dev, dtype))
-        embeds = self.embed(tokens[lo + 1: committed + 1].to(dev)).to(dtype)
-        visible = torch.ones(m, lo + m, dtype=torch.bool)
-        visible[:, lo:] = torch.ones(m, m, dtype=torch.bool).tril()
-        out, k, v = head.step(embeds, feats, torch.arange(lo, committed, device=dev), self.k, self.v, visible,
-                              last_only=True)  # only the last pair's output is used
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
-        self.cached = committed
-        self._last = out[-1:]
-        return self._last
+        return _Rows([self], [tokens], [features]).roots[0]
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> DraftTree:
-        root_out = self.catch_up(ctx.tokens, ctx.features)
-        if root_out is None or ctx.max_depth < 1:
-            return DraftTree.root_only(ctx.root_token)
-        head = self.run_head
-        slots: dict[int, int] = {}  # forwarded node -> its cache slot after the committed pairs
+        return self.propose_many([self], [ctx])[0]
 
-        def forward(builder, nodes, rows, depth):
-            nonlocal outs
-            dev, dtype = self._device_dtype()
-            f, base = len(nodes), self.k.shape[1]
-            visible = torch.zeros(f, base + f, dtype=torch.bool)
-            visible[:, : self.cached] = True
-            for i, node in enumerate(nodes):
-                up = builder.parent(node)
-                while up > 0:
-                    visible[i, self.cached + slots[up]] = True
-                    up = builder.parent(up)
-                visible[i, base + i] = True
-            for i, node in enumerate(nodes):
-                slots[node] = base - self.cached + i
-            ids = torch.tensor([builder.token(n) for n in nodes])
-            pos = torch.full((f,), self.cached - 1 + depth, device=dev)
-            out, k, v = head.step(self.embed(ids.to(dev)).to(dtype), outs[rows], pos, self.k, self.v, visible)
-            self.k, self.v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
-            outs = out
-            return head.logits(out)
+    @classmethod
+    @torch.no_grad()
+    def propose_many(cls, drafters: list["Eagle3Drafter"], ctxs: list[DraftContext]) -> list[DraftTree]:
+        """Trees for several rows of a batch in one head call per level (forks of one drafter;
+        forks of different heads are drafted head by head). Each row's tree is the one it would
+        draft alone: its own committed pairs, generator and policy (rows' keys sit side by side in
+        one padded tensor, each row's queries see only its own; see :class:`_Rows`)."""
+        heads: dict[int, list[int]] = {}
+        for b, d in enumerate(drafters):
+            heads.setdefault(id(d.head), []).append(b)
+        if len(heads) > 1:
+            trees: list = [None] * len(drafters)
+            for group in heads.values():
+                for b, tree in zip(group, cls.propose_many([drafters[b] for b in group], [ctxs[b] for b in group])):
+                    trees[b] = tree
+            return trees
+        rows = _Rows(drafters, [c.tokens for c in ctxs], [c.features for c in ctxs])
+        first = drafters[0]
+        head, (dev, dtype) = first.run_head, first._device_dtype()
+        live = [b for b, c in enumerate(ctxs) if rows.roots[b] is not None and c.max_depth >= 1]
+        trees = [DraftTree.root_only(c.root_token) for c in ctxs]
+        if not live:
+            return trees
+        outs = {b: rows.roots[b] for b in live}  # [f, H] outputs of each row's last forwarded level
+        slots: dict[tuple[int, int], int] = {}  # (row, forwarded node) -> its key slot
 
-        outs = root_out
-        try:
-            tree, _ = expand(ctx, self.policy, head.logits(root_out), forward, vocab=self.signature.vocab_size,
-                             draft_ids=self._draft_ids, t2d=self._t2d_index)
-            return tree
-        finally:  # drop the tree's keys: the cache holds committed pairs only
-            self.k, self.v = self.k[:, : self.cached], self.v[:, : self.cached]
+        def forward_many(calls):
+            B, T, F = len(drafters), rows.width, max(len(c[2]) for c in calls)
+            ids = torch.zeros(B, F, dtype=torch.long)
+            feats = torch.zeros(B, F, outs[live[0]].shape[-1], device=dev, dtype=dtype)
+            pos = torch.zeros(B, F, dtype=torch.long)
+            visible = torch.zeros(B, F, T + F, dtype=torch.bool)
+            visible[:, :, T:] = torch.eye(F, dtype=torch.bool)  # pads: themselves only
+            for i, builder, nodes, parent_rows, depth in calls:
+                b, f = live[i], len(nodes)
+                ids[b, :f] = torch.tensor([builder.token(n) for n in nodes])
+                feats[b, :f] = outs[b][parent_rows]
+                pos[b, :f] = rows.committed[b] - 1 + depth
+                visible[b, :f, :T] = rows.seen[b]
+                for j, node in enumerate(nodes):
+                    up = builder.parent(node)
+                    while up > 0:
+                        visible[b, j, slots[b, up]] = True
+                        up = builder.parent(up)
+                for j, node in enumerate(nodes):
+                    slots[b, node] = T + j
+            out = rows.step(head, first.embed(ids.to(dev)).to(dtype), feats, pos.to(dev), visible)
+            answers = []
+            for i, _, nodes, _, _ in calls:
+                b = live[i]
+                outs[b] = out[b, : len(nodes)]
+                answers.append(outs[b])
+            sizes = [a.shape[0] for a in answers]
+            return list(head.logits(torch.cat(answers)).split(sizes))
+
+        grown = expand_many([ctxs[b] for b in live], first.policy, [head.logits(outs[b]) for b in live], forward_many,
+                            vocab=first.signature.vocab_size, draft_ids=first._draft_ids, t2d=first._t2d_index)
+        for b, (tree, _) in zip(live, grown):
+            trees[b] = tree
+        return trees
 
     @property
     def _t2d_index(self) -> torch.Tensor:
@@ -284,3 +290,92 @@ def _acceptance(extra: dict) -> dict | None:
 
 register("eagle3", build_eagle3, checkpoint=(eagle3_weights, eagle3_from_checkpoint), recipe="selfspec.training.recipes.eagle3",
          exporter="selfspec.export:eagle3_layout", export_format="eagle3")
+
+
+class _Rows:
+    """Several drafters' committed pairs side by side for one batched draft (one row each).
+
+    Built from each drafter's cache (``[kv_heads, P_b, d]``, zero-padded to the longest), it first
+    catches every row up on its committed pairs in one :meth:`Eagle3Head.step_many` call (rows
+    with nothing new get pad pairs) and stores each row's new keys back in its drafter; tree
+    levels then append their keys here only, so the drafters' caches keep committed pairs only.
+
+    Attributes:
+        keys / values: ``[B, kv_heads, T, d]`` (``None`` while T = 0).
+        seen: ``[B, T]`` bool, the slots holding row b's committed pairs (the rest: other rows'
+            holes, pads, and tree levels).
+        committed: ``[B]`` committed pairs per row; roots: each row's last pair output ``[1, H]``
+            (``None`` for a row with none).
+    """
+
+    def __init__(self, drafters: list[Eagle3Drafter], tokens: list[torch.Tensor], features: list):
+        self.committed = [t.shape[0] - 1 for t in tokens]
+        for d, n, f in zip(drafters, self.committed, features):
+            if d.cached > n:
+                raise RuntimeError(f"eagle3 drafter holds {d.cached} pairs but only {n} positions are "
+                                   "committed (a new generation without reset?)")
+            if d.cached < n and (f is None or f.shape[0] < n):
+                raise RuntimeError(f"eagle3 drafter needs the taps of all {n} committed positions, got "
+                                   f"{0 if f is None else f.shape[0]}")
+        first = drafters[0]
+        head, (dev, dtype) = first.run_head, first._device_dtype()
+        B, S = len(drafters), max(d.cached for d in drafters)
+        if B == 1:
+            self.keys, self.values = (None, None) if S == 0 else (first.k[None], first.v[None])
+        elif S == 0:
+            self.keys = self.values = None
+        else:
+            shape = (B, head.midlayer.self_attn.kv_heads, S, head.midlayer.self_attn.head_dim)
+            ref = next(d for d in drafters if d.cached)
+            self.keys, self.values = ref.k.new_zeros(shape), ref.v.new_zeros(shape)
+            for b, d in enumerate(drafters):
+                if d.cached:
+                    self.keys[b, :, : d.cached], self.values[b, :, : d.cached] = d.k, d.v
+        self.seen = torch.arange(S)[None, :] < torch.tensor([d.cached for d in drafters])[:, None]
+        need = [n - d.cached for d, n in zip(drafters, self.committed)]
+        M = max(need)
+        if M > 0:
+            lo = [d.cached for d in drafters]
+            fused = head.fuse(torch.cat([f[lo[b]: lo[b] + m] for b, (f, m) in enumerate(zip(features, need)) if m]
+                                        ).to(dev, dtype)).split([m for m in need if m])
+            embeds = first.embed(torch.cat([t[lo[b] + 1: lo[b] + 1 + m] for b, (t, m) in enumerate(zip(tokens, need))
+                                            if m]).to(dev)).to(dtype).split([m for m in need if m])
+            feats = torch.zeros(B, M, fused[0].shape[-1], device=dev, dtype=dtype)
+            emb = torch.zeros_like(feats)
+            pos = torch.zeros(B, M, dtype=torch.long)
+            visible = torch.zeros(B, M, S + M, dtype=torch.bool)
+            visible[:, :, S:] = torch.eye(M, dtype=torch.bool)
+            k = 0
+            for b, m in enumerate(need):
+                if m:
+                    feats[b, :m], emb[b, :m] = fused[k], embeds[k]
+                    k += 1
+                    pos[b, :m] = torch.arange(lo[b], lo[b] + m)
+                    visible[b, :m, :S] = self.seen[b]
+                    visible[b, :m, S:S + m] = torch.ones(m, m, dtype=torch.bool).tril()
+            last = torch.tensor([max(m - 1, 0) for m in need])
+            out, new_k, new_v = head.step_many(emb, feats, pos.to(dev), self.keys, self.values, visible, last)
+            for b, (d, m) in enumerate(zip(drafters, need)):
+                if m:
+                    k_b, v_b = new_k[b, :, :m], new_v[b, :, :m]
+                    d.k = k_b if d.k is None else torch.cat([d.k, k_b], dim=1)
+                    d.v = v_b if d.v is None else torch.cat([d.v, v_b], dim=1)
+                    d.cached, d._last = self.committed[b], out[b, -1:]
+            self._append(new_k, new_v, torch.arange(M)[None, :] < torch.tensor(need)[:, None])
+        self.roots = [d._last for d in drafters]
+
+    @property
+    def width(self) -> int:
+        return self.seen.shape[1]
+
+    def step(self, head: Eagle3Head, embeds, feats, pos, visible) -> torch.Tensor:
+        """One tree level: ``[B, F]`` pairs (``visible`` ``[B, F, T + F]``); their keys are
+        appended (seen by no row as committed). Returns ``[B, F, H]`` outputs."""
+        out, k, v = head.step_many(embeds, feats, pos, self.keys, self.values, visible)
+        self._append(k, v, torch.zeros(k.shape[0], k.shape[2], dtype=torch.bool))
+        return out
+
+    def _append(self, k, v, seen) -> None:
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        self.seen = torch.cat([self.seen, seen], dim=1)

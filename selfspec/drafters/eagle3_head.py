@@ -190,7 +190,7 @@ class Eagle3Head(nn.Module):
 
     def step(self, embeds: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor | None,
              past_v: torch.Tensor | None, visible: torch.Tensor, last_only: bool = False):
-        """One fused draft call over n pairs.
+        """One fused draft call over n pairs of one sequence (:meth:`step_many` with one row).
 
         Args:
             embeds / feats: ``[n, H]`` token embeddings and features of the pairs.
@@ -208,20 +208,48 @@ class Eagle3Head(nn.Module):
             ``(out [n, H], k [kv_heads, n, d], v [kv_heads, n, d])``: pre-norm outputs and the new keys
             and values, in the order of the pairs.
         """
-        cos, sin = self.rotary(feats[None], positions[None])
-        if last_only:
-            x = self.midlayer.attn_input(embeds[None], feats[None])
-            k, v = self.midlayer.self_attn.kv(x, cos, sin)
-            q = self.midlayer.self_attn.q(x[:, -1:], cos[:, -1:], sin[:, -1:])
-            visible, feats = visible[-1:], feats[-1:]
-        else:
-            q, k, v = self.midlayer.qkv(embeds[None], feats[None], cos, sin)
-        keys = k if past_k is None else torch.cat([past_k[None], k], dim=2)
-        values = v if past_v is None else torch.cat([past_v[None], v], dim=2)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[None, None].to(q.device),
-                                              enable_gqa=True)
-        out = self.midlayer.finish(attn, feats[None])
+        last = torch.tensor([embeds.shape[0] - 1], device=embeds.device) if last_only else None
+        out, k, v = self.step_many(embeds[None], feats[None], positions[None],
+                                   None if past_k is None else past_k[None], None if past_v is None else past_v[None],
+                                   visible[None], last)
         return out[0], k[0], v[0]
+
+    def step_many(self, embeds: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
+                  past_k: torch.Tensor | None, past_v: torch.Tensor | None, visible: torch.Tensor,
+                  last: torch.Tensor | None = None):
+        """One fused draft call over B rows of n pairs each (a row with fewer pairs is padded with
+        pairs that only see themselves and that no real pair sees; their outputs are not read).
+
+        Args:
+            embeds / feats: ``[B, n, H]``; positions: ``[B, n]`` rotary positions.
+            past_k / past_v: ``[B, kv_heads, S, d]`` (rows' caches side by side, holes hidden by
+                ``visible``) or ``None`` (S = 0).
+            visible: ``[B, n, S + n]`` bool, which cached and new keys each pair attends to.
+            last: ``[B]`` long: compute only the output of pair ``last[b]`` of each row (see
+                :meth:`step`'s ``last_only``); ``None``: every pair's.
+
+        Returns:
+            ``(out [B, n or 1, H], k [B, kv_heads, n, d], v [B, kv_heads, n, d])``.
+        """
+        cos, sin = self.rotary(feats, positions)
+        x = self.midlayer.attn_input(embeds, feats)
+        attn_mod = self.midlayer.self_attn
+        if last is not None:
+            k, v = attn_mod.kv(x, cos, sin)
+            pick = last.to(x.device)[:, None, None]
+
+            def row(t):
+                return t.gather(1, pick.expand(-1, 1, t.shape[-1]))
+
+            q = attn_mod.q(row(x), row(cos), row(sin))
+            visible, feats = row(visible.to(x.device)), row(feats)
+        else:
+            q, k, v = attn_mod.qkv(x, cos, sin)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None].to(q.device),
+                                              enable_gqa=True)
+        return self.midlayer.finish(attn, feats), k, v
 
     def forward(self, taps: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training: the K steps' draft logits ``[B, T, V_d]`` (see :meth:`ttt_forward`)."""

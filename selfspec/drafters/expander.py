@@ -83,6 +83,46 @@ def expand(ctx: DraftContext, policy: TreePolicy, logits: torch.Tensor, forward:
     Returns:
         the tree and the nodes of its last level (not forwarded).
     """
+    return expand_many([ctx], policy, [logits], lambda calls: [forward(*c[1:]) for c in calls], vocab=vocab,
+                       draft_ids=draft_ids, t2d=t2d, forward_all=forward_all)[0]
+
+
+#: ``forward_many(calls) -> [logits per call]``: each call ``(row, builder, nodes, parent_rows,
+#: depth)`` is one row's :data:`Forward` request; all of them run in one model call.
+ForwardMany = Callable[[list[tuple[int, TreeBuilder, list[int], list[int], int]]], list[torch.Tensor]]
+
+
+def expand_many(ctxs: list[DraftContext], policy: TreePolicy, logits: list[torch.Tensor], forward_many: ForwardMany,
+                **options) -> list[tuple[DraftTree, list[int]]]:
+    """:func:`expand` for several rows in lockstep: level by level, every row still growing asks
+    for its frontier's logits and one ``forward_many`` call answers all of them. Each row's tree
+    is the one :func:`expand` would grow alone from the same logits (its own context, generator
+    and draws; the rows' calls only share the model call). ``options``: as :func:`expand`."""
+    growing = {i: _grow(ctx, policy, lg, **options) for i, (ctx, lg) in enumerate(zip(ctxs, logits))}
+    out: list = [None] * len(ctxs)
+    calls: dict[int, tuple] = {}
+
+    def advance(i, sent):
+        try:
+            calls[i] = growing[i].send(sent)
+        except StopIteration as done:
+            out[i] = done.value
+            calls.pop(i, None)
+
+    for i in list(growing):
+        advance(i, None)
+    while calls:
+        pending = sorted(calls.items())
+        answers = forward_many([(i, *call) for i, call in pending])
+        for (i, _), answer in zip(pending, answers):
+            advance(i, answer)
+    return out
+
+
+def _grow(ctx: DraftContext, policy: TreePolicy, logits: torch.Tensor, *, vocab: int,
+          draft_ids: torch.Tensor | None = None, t2d: torch.Tensor | None = None, forward_all: bool = False):
+    """The expansion as a generator: yields ``(builder, nodes, parent_rows, depth)`` forward
+    requests, is sent the new frontier's logits, returns ``(tree, last level)``."""
     cap = min(policy.max_depth, ctx.max_depth)
     sampled = policy.sampled and not ctx.sampling.greedy and not ctx.point_mass
     budget = ctx.max_nodes if ctx.max_nodes is not None and sampled else 10 ** 9
@@ -121,6 +161,6 @@ def expand(ctx: DraftContext, policy: TreePolicy, logits: torch.Tensor, forward:
         pick = new if sampled or forward_all else sorted(sorted(range(len(new)), key=lambda i: -scores[new[i]])[: policy.width])
         if not (sampled or forward_all):
             new, rows = [new[i] for i in pick], [rows[i] for i in pick]
-        logits = forward(builder, new, rows, depth)
+        logits = yield builder, new, rows, depth
         level = new
     return builder.build(), []

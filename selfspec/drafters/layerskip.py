@@ -37,7 +37,7 @@ from ..target import LayerHandoff
 from ..tree import DraftTree, TreeBuilder
 from .base import DraftContext, Drafter, Proposal, Requirements, TargetSignature
 from .registry import register
-from .expander import TreePolicy, expand
+from .expander import TreePolicy, expand, expand_many
 from .residual import ResBlock
 
 ADAPTERS = ("none", "block", "lora")
@@ -219,6 +219,33 @@ class LayerSkipDrafter(Drafter):
         self.cached = length
         return tree
 
+    @classmethod
+    @torch.no_grad()
+    def propose_many(cls, drafters: list["LayerSkipDrafter"], ctxs: list[DraftContext]) -> list[DraftTree | Proposal]:
+        """Every row's tree with one pass of the drafting layers per level over all rows (forks
+        of one drafter, each with its own cache; see :class:`_Rows`). A row given the target's
+        cache (decoding alone), or forks of different layers or adapters, draft one by one."""
+        kinds = {(id(d.body.layers), id(d.adapter), tuple(d.indices)) for d in drafters}
+        shared = any(c.cache is not None and d.requires.target_cache for d, c in zip(drafters, ctxs))
+        if len(drafters) < 2 or len(kinds) > 1 or shared:
+            return [d.propose(c) for d, c in zip(drafters, ctxs)]
+        first = drafters[0]
+        rows = _Rows(drafters, [c.tokens for c in ctxs])
+        live = [b for b, c in enumerate(ctxs) if c.max_depth >= 1]
+        trees = [DraftTree.root_only(c.root_token) for c in ctxs]
+        if not live:
+            return trees
+
+        def forward_many(calls):
+            outs = rows.forward([(live[i], builder, nodes, depth) for i, builder, nodes, _, depth in calls])
+            return list(first.draft_logits(torch.cat(outs)).split([o.shape[0] for o in outs]))
+
+        grown = expand_many([ctxs[b] for b in live], first.policy, [first.draft_logits(rows.roots[b]) for b in live],
+                            forward_many, vocab=first.signature.vocab_size, forward_all=True)
+        for b, (tree, _) in zip(live, grown):
+            trees[b] = tree
+        return trees
+
     def _catch_up(self, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
         """Pass 1: the committed tokens ``ids`` (``[m]``, at positions ``start..``) the cache lacks,
         ending with the root (shared cache: the root only); returns the root's ``[1, H]`` output."""
@@ -248,6 +275,98 @@ class LayerSkipDrafter(Drafter):
         pos = (prefix + depth[lo:hi])[None].to(self.masks.device)
         return self.body(input_ids=ids[None].to(self.masks.device), position_ids=pos, attention_mask=mask,
                          cache=cache)[0]
+
+
+class _Rows:
+    """Several layer-skip drafters' caches side by side for one batched draft (one row each).
+
+    Built from each drafter's own cache of the drafting layers (``[1, kv_heads, P_b, d]`` per
+    layer, zero-padded to the longest into one ``DynamicCache`` of ``[B, kv_heads, S, d]``), it
+    runs every row's committed tokens not yet cached, up to and including its root, in one pass
+    of the drafting layers, and stores each row's new keys and values back in its drafter's
+    cache; tree levels then append their keys here only (each row's queries see its own committed
+    slots and its node's ancestors), so the drafters keep committed tokens only, as alone.
+
+    Attributes:
+        seen: ``[B, T]`` bool, the slots holding row b's committed tokens; k_pos: ``[B, T]`` each
+            slot's position; prefix: ``[B]`` committed tokens before each row's root; roots:
+            each row's ``[1, H]`` output at its root.
+    """
+
+    def __init__(self, drafters: list[LayerSkipDrafter], tokens: list[torch.Tensor]):
+        first = drafters[0]
+        self.body, self.masks, self.layers = first.body, first.masks, first.indices
+        dev = self.masks.device
+        B = len(drafters)
+        self.prefix = [t.shape[0] - 1 for t in tokens]
+        starts = [min(d.cached, p) for d, p in zip(drafters, self.prefix)]
+        for d, start in zip(drafters, starts):
+            if d._own_length() > start:
+                d.cache.crop(-(d._own_length() - start))
+        S, self.cache = max(starts), new_cache()
+        if S > 0:
+            ref = next(d.cache.layers[self.layers[0]] for d, s in zip(drafters, starts) if s)
+            for layer in self.layers:
+                keys = ref.keys.new_zeros((B,) + tuple(ref.keys.shape[1:2]) + (S,) + tuple(ref.keys.shape[3:]))
+                values = ref.values.new_zeros((B,) + tuple(ref.values.shape[1:2]) + (S,) + tuple(ref.values.shape[3:]))
+                for b, (d, s) in enumerate(zip(drafters, starts)):
+                    if s:
+                        keys[b, :, :s], values[b, :, :s] = d.cache.layers[layer].keys[0], d.cache.layers[layer].values[0]
+                self.cache.update(keys, values, layer)
+        self.seen = torch.arange(S)[None, :] < torch.tensor(starts)[:, None]
+        self.k_pos = torch.arange(S).expand(B, S).clone()
+        need = [p + 1 - s for p, s in zip(self.prefix, starts)]  # committed tokens to run, the root last
+        M = max(need)
+        ids = torch.zeros(B, M, dtype=torch.long)
+        q_pos = torch.zeros(B, M, dtype=torch.long)
+        visible = torch.zeros(B, M, S + M, dtype=torch.bool)
+        visible[:, :, S:] = torch.eye(M, dtype=torch.bool)  # pads: themselves only
+        for b, (t, s, m) in enumerate(zip(tokens, starts, need)):
+            ids[b, :m] = t[s: s + m]
+            q_pos[b, :m] = torch.arange(s, s + m)
+            visible[b, :m, :S] = self.seen[b]
+            visible[b, :m, S: S + m] = torch.ones(m, m, dtype=torch.bool).tril()
+        k_pos = torch.cat([self.k_pos, q_pos], dim=1)
+        h = self.body(input_ids=ids.to(dev), position_ids=q_pos.to(dev), cache=self.cache,
+                      attention_mask=self.masks.build(visible, q_pos, k_pos))
+        self.roots = [h[b, m - 1: m] for b, m in enumerate(need)]
+        for b, (d, m) in enumerate(zip(drafters, need)):
+            for layer in self.layers:
+                held = self.cache.layers[layer]
+                d.cache.update(held.keys[b: b + 1, :, S: S + m], held.values[b: b + 1, :, S: S + m], layer)
+            d.cached = self.prefix[b] + 1
+        self.seen = torch.cat([self.seen, torch.arange(M)[None, :] < torch.tensor(need)[:, None]], dim=1)
+        self.k_pos = k_pos
+        self.slots: dict[int, dict[int, int]] = {}  # row -> forwarded node -> its key slot
+
+    def forward(self, calls: list[tuple[int, TreeBuilder, list[int], int]]) -> list[torch.Tensor]:
+        """One pass of the drafting layers over tree level ``depth`` of each ``(row, builder,
+        nodes, depth)`` call (every row's earlier nodes are in the cache: every node is
+        forwarded); returns each call's ``[f, H]`` outputs."""
+        B, T = self.seen.shape
+        F = max(len(nodes) for _, _, nodes, _ in calls)
+        ids = torch.zeros(B, F, dtype=torch.long)
+        q_pos = torch.zeros(B, F, dtype=torch.long)
+        visible = torch.zeros(B, F, T + F, dtype=torch.bool)
+        visible[:, :, T:] = torch.eye(F, dtype=torch.bool)
+        for b, builder, nodes, depth in calls:
+            slots = self.slots.setdefault(b, {})
+            ids[b, : len(nodes)] = torch.tensor([builder.token(n) for n in nodes])
+            q_pos[b, : len(nodes)] = self.prefix[b] + depth
+            visible[b, : len(nodes), :T] = self.seen[b]
+            for j, node in enumerate(nodes):
+                up = builder.parent(node)
+                while up > 0:
+                    visible[b, j, slots[up]] = True
+                    up = builder.parent(up)
+                slots[node] = T + j
+        k_pos = torch.cat([self.k_pos, q_pos], dim=1)
+        dev = self.masks.device
+        h = self.body(input_ids=ids.to(dev), position_ids=q_pos.to(dev), cache=self.cache,
+                      attention_mask=self.masks.build(visible, q_pos, k_pos))
+        self.seen = torch.cat([self.seen, torch.zeros(B, F, dtype=torch.bool)], dim=1)
+        self.k_pos = k_pos
+        return [h[b, : len(nodes)] for b, _, nodes, _ in calls]
 
 
 def _builder_of(tree: DraftTree) -> TreeBuilder:

@@ -128,6 +128,25 @@ class MedusaDrafter(Drafter):
         template = self.template if depth == self.template.depth else self._shallow(depth)
         return template.fill(ctx.root_token, candidates)
 
+    @classmethod
+    @torch.no_grad()
+    def propose_many(cls, drafters: list["MedusaDrafter"], ctxs: list[DraftContext]) -> list[DraftTree]:
+        """Every row's tree from one call of the heads over the rows' hidden states (forks of one
+        drafter; forks of other heads are drafted alone)."""
+        live = [b for b, c in enumerate(ctxs) if c.root_hidden is not None and c.max_depth >= 1]
+        if len({id(d.heads) for d in drafters}) > 1 or len(live) < 2:
+            return [d.propose(c) for d, c in zip(drafters, ctxs)]
+        first = drafters[0]
+        hidden = torch.stack([ctxs[b].root_hidden.reshape(-1) for b in live]).to(first._dtype())
+        rank = max(d.template.max_rank for d in drafters)
+        candidates = first.heads.logits(first.model, hidden).topk(rank, dim=-1).indices  # [B, K, k]
+        trees = [TreeBuilder(c.root_token).build() for c in ctxs]
+        for row, b in enumerate(live):
+            d, depth = drafters[b], min(drafters[b].template.depth, ctxs[b].max_depth)
+            template = d.template if depth == d.template.depth else d._shallow(depth)
+            trees[b] = template.fill(ctxs[b].root_token, candidates[row, :depth])
+        return trees
+
     def with_options(self, tree: list[list[int]] | None = None) -> "MedusaDrafter":
         """A drafter sharing these heads with another static tree."""
         other = MedusaDrafter(self.model, self.heads, self.signature)
