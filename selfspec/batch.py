@@ -29,9 +29,13 @@ each row weighs its tree against its share of the pass, and speculation turns it
 pass stops being memory bound.
 
 **The batch's word.** Every pass costs the batch's largest tree for every row, which no row's
-controller sees, so a :class:`BatchGate` compares measured tokens per second of speculative and
-plain steps at this batch size and runs plain steps while speculation measures slower (probing
-it again after 1, 2, 4, ... steps).
+controller sees. So after the rows' controllers have sized their trees, the batch picks one node
+budget N for all of them, the one with the most expected tokens per second of the whole pass
+(each row's best nodes up to N by this step's acceptance draws, against ``c(rows * (N + 1))``);
+rows over N are cut to their best N nodes (sampled nodes are never cut). And the
+controller's :class:`~selfspec.control.gate.BatchGate` compares measured tokens per second of
+speculative and plain steps per batch size and runs plain steps while speculation measures
+slower.
 
 **Continuous batching.** :class:`Pool` holds waiting requests; between steps, finished rows leave
 and waiting ones join (each prefilled alone, then merged into the batch cache), up to
@@ -260,46 +264,6 @@ def _join(old: torch.Tensor | None, new: torch.Tensor | None, count: int, width:
     return out
 
 
-class BatchGate:
-    """Whether a batch's rows may draft this step, from measured tokens per second at this batch
-    size: speculative steps (each row's controller decides its tree) against plain steps (one
-    token per row, nothing drafted). Every pass costs the batch's largest tree for every row, and
-    rows' controllers each see only their own share, so the batch keeps the final word: while
-    speculative steps measure slower, plain steps run and speculation is tried again after 1, 2,
-    4, ... plain steps (a batch where it does not pay spends a logarithmic share of its steps
-    finding out); as soon as it measures faster, every step may draft again. Rates are moving
-    averages per batch size (weight ``ema`` on the newest step)."""
-
-    def __init__(self, ema: float = 0.3):
-        self.ema = ema
-        self.rate: dict[tuple[int, bool], float] = {}
-        self.wait: dict[int, int] = {}
-        self.backoff: dict[int, int] = {}
-
-    def draft(self, rows: int) -> bool:
-        spec, plain = self.rate.get((rows, True)), self.rate.get((rows, False))
-        if spec is None:
-            return True
-        if plain is None:
-            return False
-        if spec >= plain or self.wait.get(rows, 0) <= 0:
-            return True
-        self.wait[rows] -= 1
-        return False
-
-    def record(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
-        key, rate = (rows, drafted), tokens / max(seconds, 1e-9)
-        old = self.rate.get(key)
-        self.rate[key] = rate if old is None else old + self.ema * (rate - old)
-        plain = self.rate.get((rows, False))
-        if drafted and plain is not None:
-            if self.rate[key] < plain:
-                self.backoff[rows] = 2 * self.backoff.get(rows, 1) if self.wait.get(rows, 0) <= 0 else self.backoff[rows]
-                self.wait[rows] = self.backoff[rows]
-            else:
-                self.backoff[rows], self.wait[rows] = 1, 0
-
-
 # ---------------------------------------------------------------------- requests
 @dataclass
 class PoolStats:
@@ -377,7 +341,10 @@ class Pool:
         self.waiting: deque[Handle] = deque()
         self.running: list[Handle] = []
         self.stats = PoolStats()
-        self.gate = BatchGate()
+        self.gate = None
+        if self.controller is not None and self.controller.config.batch_gate:
+            self.gate = self.controller.gate
+            self.gate.reset_warmth()
         self._count = itertools.count()
         self.lock = model_lock(model)
 
@@ -437,6 +404,8 @@ class Pool:
             h.request.prefilled(pre, bool(self.target.taps), now)
             h.request.check_budget()  # (a prompt that fills the context has nothing to generate)
         self.running += joining
+        if self.gate is not None:  # the joiners' first drafts catch up on their prompts
+            self.gate.reset_warmth()
         return self._retire()
 
     def _step(self) -> list[Handle]:
@@ -444,7 +413,7 @@ class Pool:
         cost = self.controller.cost if self.controller is not None else None
         if cost is not None:
             cost.rows = rows
-        drafting = self.controller is not None and self.gate.draft(rows)
+        drafting = self.controller is not None and (self.gate is None or self.gate.draft(rows))
         t0 = clock()
         trees, draft_s = self._draft(drafting)
         t1 = clock()
@@ -472,7 +441,7 @@ class Pool:
         for h, tree, verdict, out, d in zip(self.running, trees, verdicts, scored, draft_s):
             emitted += len(h.request.advance(tree, verdict, out.hidden, out.taps, d, verify_s, t4, None))
             h.request.check_budget()
-        if self.controller is not None:
+        if self.gate is not None:
             self.gate.record(rows, drafting, emitted, t4 - t0)
         return self._retire()
 
@@ -506,7 +475,32 @@ class Pool:
             got.sort(key=lambda r: order[r[0]])
             trees.append(h.request.controller.assemble([(p, s) for _, p, s in got]).tree)
             seconds.append(sum(s for _, _, s in got))
+        if self.controller is not None and len(trees) > 1 and not self.controller.config.fixed:
+            trees = self._budget(trees, sum(seconds))
         return trees, seconds
+
+    def _budget(self, trees: list[DraftTree], draft_s: float) -> list[DraftTree]:
+        """One node budget N for every row's tree (module docstring): the N with the most expected
+        tokens per second of the pass (``draft_s`` already spent), each row keeping its uncuttable
+        nodes and its best others up to N; rows over N are cut by their controllers."""
+        offers = [h.request.controller.offer() if t.num_nodes > 1 else None for h, t in zip(self.running, trees)]
+        if not any(offers):
+            return trees
+        rows, cost = len(trees), self.controller.cost
+        low = max(len(o[0]) for o in offers if o)
+        high = max(t.num_nodes - 1 for t in trees)
+        best, best_n = -1.0, high
+        for n in range(low, high + 1):
+            tokens = float(rows)
+            for o in offers:
+                if o:
+                    fixed, ranked = o
+                    tokens += sum(fixed) + sum(ranked[: n - len(fixed)])
+            rate = tokens / (draft_s + rows * cost.verify(n + 1))
+            if rate > best:
+                best, best_n = rate, n
+        return [h.request.controller.cut(best_n) if o and t.num_nodes - 1 > best_n else t
+                for h, t, o in zip(self.running, trees, offers)]
 
     def _retire(self) -> list[Handle]:
         done = [i for i, h in enumerate(self.running) if h.request.done]

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.batch import BatchGate, BatchTarget, Pool
+from selfspec.batch import BatchTarget, Pool
+from selfspec.control.gate import BatchGate
 from selfspec.control.cost import CostModel
 from selfspec.sampling import SamplingConfig, target_probs
 from stubs import ScriptedDrafter
@@ -154,8 +155,10 @@ def test_the_batch_gate_runs_plain_steps_while_speculation_measures_slower():
         d = gate.draft(4)
         pattern.append(d)
         gate.record(4, d, 4 if d else 8, 1.0)
-    assert pattern[:2] == [True, False]  # each measured once
-    assert sum(pattern) <= 6  # then probed after 1, 2, 4, 8, ... plain steps
+    assert pattern[:3] == [True, True, False]  # a warm-up, a measured speculative step, a plain one
+    assert sum(pattern) <= 10  # then probes (a warm-up and a measured step) after 2, 4, 8, ... plain steps
+    assert gate.verdict(4) is False and gate.verdict(16) is False and gate.verdict(2) is None
+    assert not gate.draft(16)  # a size never measured starts from the nearest smaller one's verdict
     later = []
     for _ in range(40):  # speculation turns faster: from its next probe on, every step drafts
         d = gate.draft(4)
@@ -163,7 +166,31 @@ def test_the_batch_gate_runs_plain_steps_while_speculation_measures_slower():
         gate.record(4, d, 40 if d else 8, 1.0)
     first = later.index(True)
     assert first <= 32 and all(later[first:])
-    assert gate.draft(8)  # another batch size is measured on its own
+    assert gate.draft(8)  # (nearest smaller verdict: faster)
+
+
+def test_the_batch_budget_cuts_rows_to_one_node_count_and_stays_exact():
+    """Rows whose controllers size trees of different sizes: the batch picks one budget for all
+    (the biggest tree no longer sets every row's pass), and each row still equals its prompt
+    alone."""
+    model = tiny_model("llama", vocab=VOCAB)
+    refs = [alone(model, p, 16) for p in PROMPTS]
+    pool = Pool(model, [_eagle3(model), selfspec.build_drafter(model, "ngram", min_ngram=1)], max_batch=len(PROMPTS))
+    handles = [pool.submit(torch.tensor(p), max_new_tokens=16, eos_token_id=[]) for p in PROMPTS]
+    cuts = []
+    original = type(pool.controller).cut
+
+    def cut(self, n):
+        cuts.append(n)
+        return original(self, n)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(type(pool.controller), "cut", cut):
+        pool.run()
+    assert cuts, "no row was cut to the batch's budget"
+    for h, ref in zip(handles, refs):
+        assert torch.equal(h.output.sequences[0], ref), h.index
 
 
 # ---------------------------------------------------------------- heads draft every row in one call
@@ -294,13 +321,13 @@ def _exact(model, cfg, prompt):
     return law
 
 
-def _batch_counts(model, cfg, n):
+def _batch_counts(model, cfg, n, control=False):
     counts = [dict(), dict()]
     drafter = ScriptedDrafter(LAW_VOCAB, point=1, sampled=2)
     drafter.check_target = lambda m: None
     runs = max(1, n // ROWS)
     for r in range(runs):
-        pool = Pool(model, drafter, control=False, max_batch=2 * ROWS)
+        pool = Pool(model, drafter, control=control, max_batch=2 * ROWS)
         handles = [pool.submit(torch.tensor(LAW_PROMPTS[i % 2]), max_new_tokens=NEW, temperature=cfg.temperature,
                                top_k=cfg.top_k, seed=r * 2 * ROWS + i, eos_token_id=[]) for i in range(2 * ROWS)]
         pool.run()
@@ -318,14 +345,17 @@ def _neighbour_commit(self, paths, real):
         layer.keys, layer.values = layer.keys.roll(1, dims=0), layer.values.roll(1, dims=0)
 
 
-@pytest.mark.parametrize("lossy", [False, True])
-def test_the_law_of_every_row_is_its_prompts_law(lossy, monkeypatch):
+@pytest.mark.parametrize("lossy,control", [(False, False), (False, None), (True, False)])
+def test_the_law_of_every_row_is_its_prompts_law(lossy, control, monkeypatch):
+    """``control=False``: every row verifies its drafter's whole tree; ``None``: each row's
+    controller picks arms and sizes, the batch cuts rows to one budget and its gate may run plain
+    steps."""
     model = _law_model()
     cfg = SamplingConfig(1.0, top_k=0)
     if lossy:
         real = BatchTarget.commit
         monkeypatch.setattr(BatchTarget, "commit", lambda self, paths: _neighbour_commit(self, paths, real))
-    counts, n = _batch_counts(model, cfg, SAMPLES // 4 if lossy else SAMPLES)
+    counts, n = _batch_counts(model, cfg, SAMPLES // 4 if lossy else SAMPLES, control)
     results = [chi_square_ok(_exact(model, cfg, p), c, n=n) for p, c in zip(LAW_PROMPTS, counts)]
     if lossy:
         assert not all(ok for ok, _ in results), results

@@ -255,3 +255,19 @@ def test_exit_ranking_trades_acceptance_for_cost():
     ranked = rank_exits(acceptance, level, verify, max_depth=4)
     assert ranked[0].exit_layer == 3
     assert ranked[0].expected_speedup == max(c.expected_speedup for c in ranked)
+
+
+def test_a_cut_keeps_what_each_sampled_node_was_drawn_given():
+    """Sampled nodes under a point-mass node, after a point-mass sibling: a cut after drafting
+    keeps them, their ancestors and their earlier siblings, however little those are worth."""
+    b = TreeBuilder(0)
+    a = b.add(0, 1)  # point mass
+    p = b.add(a, 2)  # point mass before the sampled siblings
+    b.set_draft_probs(a, torch.full((8,), 1 / 8, dtype=torch.float64))
+    s1, s2 = b.add(a, 3, Law.WOR), b.add(a, 4, Law.WOR)
+    other = b.add(0, 5)  # point mass, cuttable
+    tree = b.build()
+    values = [1.0, 1e-6, 1e-6, 1e-6, 1e-6, 1e-6]
+    keep, _ = size_tree(tree, values, lambda n: 1.0 + n, 0.0, 64, cut_sampled=False)
+    assert keep == [0, a, p, s1, s2] and other not in keep
+    subtree(tree, keep)  # a valid tree

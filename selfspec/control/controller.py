@@ -37,7 +37,8 @@ from ..tree import DraftTree
 from ..verify import Verdict
 from .acceptance import AcceptanceModel, temperature_bucket
 from .cost import CostModel, verify_curve
-from .merge import member_sources, merge, node_values, size_tree, subtree
+from .gate import BatchGate
+from .merge import member_sources, merge, node_values, size_tree, subtree, pinned, take_order
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class ControlConfig:
         seed: seed of the controller's own generator (arm draws).
         fixed: every step drafts with every member and verifies the trees as proposed (no arm
             choice, no cut): for tests and for measuring drafters' raw trees.
+        batch_gate: in a batch, run plain steps while speculative steps measure slower
+            (:mod:`selfspec.control.gate`).
     """
 
     decay: float = 0.99
@@ -59,6 +62,7 @@ class ControlConfig:
     max_nodes: int = 64
     seed: int = 0
     fixed: bool = False
+    batch_gate: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.decay <= 1 or self.prior_weight <= 0 or self.max_nodes < 1:
@@ -93,6 +97,7 @@ class Controller:
         self.usual = 1.0  # tokens a step commits (moving average)
         self.arm_steps = [0] * len(self.arms)
         self.trace: list[dict] | None = None  # set to [] to record one dict per step
+        self.gate = BatchGate()  # what batches measured (selfspec.batch), shared by forks
         self._pending: dict | None = None
         self._plan: dict | None = None
         self._draws: dict = {}
@@ -102,7 +107,7 @@ class Controller:
         are the members' forks, its arm draws its own ``random.Random(seed)``; the acceptance and
         cost models are shared, so rows learn from each other and weigh the same passes."""
         twin = Controller([m.fork() for m in self.members], replace(self.config, seed=seed), cost=self.cost)
-        twin.acceptance = self.acceptance
+        twin.acceptance, twin.gate = self.acceptance, self.gate
         return twin
 
     # ------------------------------------------------------------------ lifecycle
@@ -260,8 +265,33 @@ class Controller:
                 keep, _ = size_tree(tree, values, self.cost.verify, spent, self.config.max_nodes, cut_sampled=False)
                 tree, sources = subtree(tree, keep), [sources[i] for i in keep]
         self.arm_steps[a] += 1
-        self._pending = dict(arm=a, state=state, tree=tree, sources=sources, draft_s=spent, drafted=drafted)
+        self._pending = dict(arm=a, state=state, tree=tree, sources=sources, draft_s=spent, drafted=drafted,
+                             handoff=handoff is not None)
         return Proposal(tree, handoff)
+
+    def offer(self) -> tuple[list[float], list[float]] | None:
+        """This step's assembled tree as a batch weighs it (:mod:`selfspec.batch`): ``(values of
+        the nodes that cannot be cut, values of the others in the order the sizing rule takes
+        them)``, by this step's acceptance draws; ``None`` when nothing may be cut (no tree, a
+        layer handoff, ``fixed``)."""
+        p = self._pending
+        if p is None or p["handoff"] or self.config.fixed or p["tree"].num_nodes == 1:
+            return None
+        tree, sources = p["tree"], p["sources"]
+        values = node_values(tree, sources, self._drawn_rate)
+        sampled = pinned(tree)
+        rest = set(range(1, tree.num_nodes)) - set(sampled)
+        p["order"] = sampled, take_order(tree, values, [0] + sampled, rest, len(rest))
+        return [values[i] for i in sampled], [values[i] for i in p["order"][1]]
+
+    def cut(self, n: int) -> DraftTree:
+        """Cut this step's tree (after :meth:`offer`) to ``n`` draft nodes: its uncuttable ones,
+        then the others in :meth:`offer`'s order. Returns the tree to verify."""
+        p = self._pending
+        sampled, order = p["order"]
+        keep = sorted([0] + sampled + order[: max(0, n - len(sampled))])
+        p["tree"], p["sources"] = subtree(p["tree"], keep), [p["sources"][i] for i in keep]
+        return p["tree"]
 
     def observe(self, tree: DraftTree, verdict: Verdict, tokens: list[int], verify_s: float | None) -> None:
         """Record the verified step: ``tokens`` committed, ``verify_s`` seconds of its tree pass

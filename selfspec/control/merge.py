@@ -105,7 +105,7 @@ def size_tree(tree: DraftTree, values: list[float], verify: Callable[[int], floa
     if cut_sampled:
         return _grow(tree, values, verify, fixed, max_nodes, [0], 1.0, 1.0 / (fixed + verify(1)),
                      set(range(1, tree.num_nodes)))[::2]
-    sampled = [i for i in range(1, tree.num_nodes) if laws[i] != Law.POINT]
+    sampled = pinned(tree)
     tokens = 1.0 + sum(values[i] for i in sampled)
     kept = [0] + sampled
     rest = set(range(1, tree.num_nodes)) - set(sampled)
@@ -114,16 +114,44 @@ def size_tree(tree: DraftTree, values: list[float], verify: Callable[[int], floa
     return sorted(kept), rate
 
 
+def pinned(tree: DraftTree) -> list[int]:
+    """The nodes a cut after drafting must keep (increasing): every sampled node, and what it was
+    drawn given, its ancestors and its earlier siblings."""
+    laws, parents, children = tree.laws.tolist(), tree.parents.tolist(), tree.children
+    keep: set[int] = set()
+    for i in range(1, tree.num_nodes):
+        if laws[i] != Law.POINT:
+            keep.update(s for s in children[parents[i]] if s <= i)
+            p = parents[i]
+            while p > 0:
+                keep.add(p)
+                p = parents[p]
+    return sorted(keep)
+
+
 def _grow(tree, values, verify, fixed, max_nodes, kept, tokens, rate, allowed):
-    """Add ``allowed`` nodes to ``kept`` best value first (a node after its parent; a sampled node
-    after its previous sibling) and keep the prefix with the best rate. A heap of the nodes ready
-    to be taken: O(n log n) per call (the controller sizes several trees a step)."""
+    """Add ``allowed`` nodes to ``kept`` best value first (:func:`take_order`) and keep the prefix
+    with the best rate."""
+    order = take_order(tree, values, kept, allowed, max_nodes - (len(kept) - 1))
+    best, best_len, total = rate, 0, tokens
+    for k, i in enumerate(order):
+        total += values[i]
+        r = total / (fixed + verify(len(kept) + k + 1))
+        if r > best:
+            best, best_len, tokens = r, k + 1, total
+    return sorted(kept + order[:best_len]), tokens, best
+
+
+def take_order(tree: DraftTree, values: list[float], kept: list[int], allowed: set[int], limit: int) -> list[int]:
+    """The order in which the sizing rule takes ``allowed`` nodes after ``kept`` (which holds the
+    root): best value first, a node after its parent, a sampled node after its previous sampled
+    sibling; at most ``limit`` nodes. A heap of the nodes ready to be taken: O(n log n)."""
     laws, children = tree.laws.tolist(), tree.children
     prev, nxt = {}, {}
     for kids in children:
         for a, b in zip(kids, kids[1:]):
             prev[b], nxt[a] = a, b
-    have, order, best, best_len, total = set(kept), [], rate, 0, tokens
+    have, order = set(kept), []
 
     def startable(c: int) -> bool:  # a sampled node waits for its previous sampled sibling
         p = prev.get(c)
@@ -133,7 +161,7 @@ def _grow(tree, values, verify, fixed, max_nodes, kept, tokens, rate, allowed):
     heap = [(-values[c], c) for k in have for c in children[k] if startable(c)]
     heapq.heapify(heap)
     queued = {c for _, c in heap}
-    while heap and len(kept) + len(order) - 1 < max_nodes:
+    while heap and len(order) < limit:
         _, i = heapq.heappop(heap)
         have.add(i)
         order.append(i)
@@ -141,11 +169,7 @@ def _grow(tree, values, verify, fixed, max_nodes, kept, tokens, rate, allowed):
             if c not in queued and startable(c):
                 queued.add(c)
                 heapq.heappush(heap, (-values[c], c))
-        total += values[i]
-        r = total / (fixed + verify(len(kept) + len(order)))
-        if r > best:
-            best, best_len, tokens = r, len(order), total
-    return sorted(kept + order[:best_len]), tokens, best
+    return order
 
 
 def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
