@@ -17,11 +17,14 @@ Writes <out>.json (args, command, summary, records), <out>.md (command + table) 
 Throughput mode (batches, :mod:`selfspec.measurement.throughput`): ``--batch-sizes 1 2 4 8 16 32``
 sweeps the methods (``hf-greedy`` = transformers' batched generate, ``none`` = selfspec's plain
 loop, drafter specs) over batch sizes in each of ``--dtypes``; ``--arrival-rate R --requests N``
-runs a stream of N requests arriving at R per second into a pool of ``--max-batch`` rows:
+runs a stream of N requests arriving at R per second into a pool of ``--max-batch`` rows; a spec
+ending in ``#nogate`` runs without the batch gate (:mod:`selfspec.control.gate`):
 
     selfspec bench --questions docs/prompts/mt_bench_question.jsonl --batch-sizes 1 2 4 8 16 32 \
-        --dtypes bfloat16 float32 --methods hf-greedy none ngram eagle3+ngram --max-new-tokens 64 --out runs/batch Finished turns are appended to <out>.partial.jsonl as
-they complete: rerun the same command with --resume after an interruption.
+        --dtypes bfloat16 float32 --methods hf-greedy none ngram eagle3+ngram --max-new-tokens 64 --out runs/batch
+
+Outside the throughput mode, finished turns are appended to <out>.partial.jsonl as they
+complete: rerun the same command with --resume after an interruption.
 """
 
 from __future__ import annotations
@@ -185,7 +188,7 @@ def main(argv=None) -> None:
 
 def throughput_main(args, argv, prov) -> None:
     """The throughput mode (module docstring): writes <out>.json, <out>.md and <out>.png."""
-    from selfspec.control import Controller
+    from selfspec.control import ControlConfig, Controller
     from selfspec.drafters import drafter_from_spec
     from selfspec.measurement import throughput
     from selfspec.measurement.measure import write_result
@@ -202,9 +205,10 @@ def throughput_main(args, argv, prov) -> None:
         for spec in args.methods:
             if spec == "hf-greedy":
                 methods[spec] = "hf"
-            else:
-                drafter = drafter_from_spec(model, spec, args.model, tokenizer)
-                methods[spec] = None if drafter is None else Controller(drafter)
+            else:  # "spec#nogate": the batch gate off (ControlConfig.batch_gate), to measure what it does
+                drafter = drafter_from_spec(model, spec.removesuffix("#nogate"), args.model, tokenizer)
+                config = ControlConfig(batch_gate=not spec.endswith("#nogate"))
+                methods[spec] = None if drafter is None else Controller(drafter, config)
         if args.batch_sizes:
             prompts = throughput.prompts_from(tokenizer, questions, max(max(args.batch_sizes), 4))
             for name, m in methods.items():  # untimed: kernels, weight packing, the verify cost curve
