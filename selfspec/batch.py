@@ -583,6 +583,15 @@ def generate_batch(model, prompts: list[torch.Tensor], *, drafter=None, control=
     """Decode several prompts together (all rows start at once; see :class:`Pool`). ``seed``:
     row b samples from ``seed + b``; ``generator``: every row draws from it (in row order), so
     rows' draws depend on each other's steps; neither: fresh random seeds."""
+    pool, handles = batch_pool(model, prompts, drafter=drafter, control=control, seed=seed, generator=generator,
+                               streamers=streamers, **options)
+    pool.run()
+    return BatchOutput([h.output for h in handles], pool.stats)
+
+
+def batch_pool(model, prompts: list[torch.Tensor], *, drafter=None, control=None, seed=None, generator=None,
+               streamers=None, **options) -> tuple[Pool, list[Handle]]:
+    """:func:`generate_batch`'s pool with every prompt submitted (arguments checked), not run."""
     if seed is not None and generator is not None:
         raise ValueError("give either seed or generator, not both")
     pool = Pool(model, drafter, control=control, max_batch=len(prompts))
@@ -591,5 +600,4 @@ def generate_batch(model, prompts: list[torch.Tensor], *, drafter=None, control=
         row_seed = None if seed is None else int(seed) + b
         handles.append(pool.submit(ids, seed=row_seed, generator=generator,
                                    streamer=None if streamers is None else streamers[b], **options))
-    pool.run()
-    return BatchOutput([h.output for h in handles], pool.stats)
+    return pool, handles

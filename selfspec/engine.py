@@ -162,7 +162,9 @@ def _one(input_ids, attention_mask):
 
 def stream(model, input_ids, **kwargs) -> "SpecStream":
     """:func:`generate` as an iterator over each step's verified tokens (``list[int]``, in order;
-    their concatenation is the output). Same arguments as :func:`generate` (``streamer`` too);
+    their concatenation is the output); for several prompts (a batch, as :func:`generate` takes
+    them), over ``(row, tokens)`` pairs as each row commits them, and ``.output`` is a
+    :class:`~selfspec.batch.BatchOutput`. Same arguments as :func:`generate` (``streamer`` too);
     arguments are checked here, before anything runs. Generation runs in a background thread
     so the consumer's own time never counts as a decoding step (the controller times steps); the
     final :class:`SpecOutput` is ``.output`` once the iterator is exhausted. Errors raised while
@@ -176,11 +178,20 @@ def stream(model, input_ids, **kwargs) -> "SpecStream":
         raise TypeError(f"stream() got unexpected arguments: {err}") from None
     bound.apply_defaults()
     args = dict(bound.arguments)
-    if _several(args["input_ids"], args["attention_mask"]) is not None:
-        raise ValueError("stream() takes one prompt; for several, use selfspec.batch.Pool with a streamer per request")
-    args["input_ids"] = _one(args["input_ids"], args.pop("attention_mask"))
+    device = input_ids.device if torch.is_tensor(input_ids) else torch.device("cpu")
+    mask = args.pop("attention_mask")
+    prompts = _several(args["input_ids"], mask)
+    if prompts is not None:
+        from .batch import batch_pool
+
+        if args["streamer"] is not None or args["prefix_cache"] is not None:
+            raise ValueError("streamer and prefix_cache take one prompt; a batch's stream yields (row, tokens)")
+        for name in ("model", "input_ids", "streamer", "prefix_cache"):
+            args.pop(name)
+        return SpecStream(dict(pool=batch_pool(model, prompts, **args)), None, device)
+    args["input_ids"] = _one(args["input_ids"], mask)
     streamer = args.pop("streamer")
-    return SpecStream(_prepare(**args), streamer, input_ids.device if torch.is_tensor(input_ids) else torch.device("cpu"))
+    return SpecStream(_prepare(**args), streamer, device)
 
 
 class _Stopped(Exception):
@@ -200,16 +211,16 @@ class SpecStream:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._streamer, self._device = streamer, device
-        self._prompt_seen = False  # the engine puts the prompt first, as model.generate does
+        self._prompt_seen: set = set()  # the engine puts each row's prompt first, as model.generate does
         # the worker holds only a weak reference to this iterator, so dropping it stops the worker
         self._thread = threading.Thread(target=_stream_work, args=(weakref.ref(self), run, self._stop, self._queue),
                                         daemon=True)
         self._thread.start()
 
-    def put(self, value: torch.Tensor) -> None:  # the engine's streamer interface (via _StreamProxy)
-        if self._prompt_seen:
-            self._queue.put(value.tolist())
-        self._prompt_seen = True
+    def put(self, value: torch.Tensor, row: int | None = None) -> None:  # the engine's streamer interface
+        if row in self._prompt_seen:
+            self._queue.put(value.tolist() if row is None else (row, value.tolist()))
+        self._prompt_seen.add(row)
         if self._streamer is not None:
             self._streamer.put(value)
 
@@ -250,14 +261,14 @@ class SpecStream:
 class _StreamProxy:
     """The engine's streamer inside a stream's worker: forwards to the iterator while it lives."""
 
-    def __init__(self, ref, stop: threading.Event):
-        self.ref, self.stop = ref, stop
+    def __init__(self, ref, stop: threading.Event, row: int | None = None):
+        self.ref, self.stop, self.row = ref, stop, row
 
     def put(self, value) -> None:
         it = self.ref()
         if it is None or self.stop.is_set():
             raise _Stopped
-        it.put(value)
+        it.put(value, self.row)
 
     def end(self) -> None:
         it = self.ref()
@@ -268,7 +279,16 @@ class _StreamProxy:
 def _stream_work(ref, run: dict, stop: threading.Event, q) -> None:
     out, error = None, None
     try:
-        out = decode(**run, streamer=_StreamProxy(ref, stop))
+        if "pool" in run:
+            from .batch import BatchOutput
+
+            pool, handles = run["pool"]
+            for b, h in enumerate(handles):
+                h.request.streamer = _StreamProxy(ref, stop, b)
+            pool.run()
+            out = BatchOutput([h.output for h in handles], pool.stats)
+        else:
+            out = decode(**run, streamer=_StreamProxy(ref, stop))
     except _Stopped:
         pass
     except BaseException as exc:  # handed to the consumer
@@ -277,7 +297,11 @@ def _stream_work(ref, run: dict, stop: threading.Event, q) -> None:
         it = ref()
         if it is not None:
             if out is not None:
-                out.sequences = out.sequences.to(it._device)
+                if hasattr(out, "outputs"):
+                    for o in out.outputs:
+                        o.sequences = o.sequences.to(it._device)
+                else:
+                    out.sequences = out.sequences.to(it._device)
                 it.output = out
             it._error = error
         q.put(SpecStream._END)

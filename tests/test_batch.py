@@ -121,6 +121,21 @@ def test_generate_takes_a_list_or_padded_ids_with_a_mask():
     assert torch.equal(one.sequences[0], refs[1])
 
 
+def test_a_batch_streams_each_rows_tokens_as_they_are_committed():
+    model = tiny_model("mistral", vocab=VOCAB)
+    prompts = PROMPTS[:3]
+    refs = [alone(model, p, 9) for p in prompts]
+    drafter = selfspec.build_drafter(model, "ngram", min_ngram=1)
+    got = {b: [] for b in range(len(prompts))}
+    with selfspec.stream(model, prompts, drafter=drafter, max_new_tokens=9, eos_token_id=[]) as it:
+        for row, tokens in it:
+            got[row] += tokens
+    assert all(torch.equal(o, r) for o, r in zip(it.output.sequences, refs))
+    assert all(got[b] == refs[b][len(p):].tolist() for b, p in enumerate(prompts))
+    with pytest.raises(ValueError, match="temperature"):  # checked before anything runs
+        selfspec.stream(model, prompts, temperature=-1.0)
+
+
 def test_batch_inputs_are_checked():
     model = tiny_model("llama", vocab=VOCAB)
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])

@@ -84,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--title", default="", help="plot title")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                     help="throughput mode: sweep these batch sizes (see above)")
+    ap.add_argument("--sweep-prompts", type=int, default=4,
+                    help="throughput mode: at least this many prompts per batch size (batches of B; more batches give "
+                         "the ratios intervals)")
     ap.add_argument("--dtypes", nargs="+", default=None, help="throughput mode: target dtypes (default: --dtype)")
     ap.add_argument("--arrival-rate", type=float, default=None,
                     help="throughput mode: requests per second arriving into a pool (continuous batching)")
@@ -210,12 +213,12 @@ def throughput_main(args, argv, prov) -> None:
                 config = ControlConfig(batch_gate=not spec.endswith("#nogate"))
                 methods[spec] = None if drafter is None else Controller(drafter, config)
         if args.batch_sizes:
-            prompts = throughput.prompts_from(tokenizer, questions, max(max(args.batch_sizes), 4))
+            prompts = throughput.prompts_from(tokenizer, questions, max(max(args.batch_sizes), args.sweep_prompts))
             for name, m in methods.items():  # untimed: kernels, weight packing, the verify cost curve
                 if m != "hf":
                     throughput._pool_batch(model, m, prompts[:2], 8)
             rows = throughput.sweep(model, methods, prompts, sorted(args.batch_sizes),
-                                    max_new_tokens=args.max_new_tokens,
+                                    max_new_tokens=args.max_new_tokens, min_prompts=args.sweep_prompts,
                                     progress=lambda r: print(f"{dtype} B={r['batch']} {r['method']}: "
                                                              f"{r['tokens_per_s']:.1f} tok/s", flush=True))
             for r in rows:

@@ -6,7 +6,8 @@ Sweep: for each dtype and batch size B, every method decodes the same prompts (t
 ``max(B, min_prompts)`` held-out prompts, in batches of B, all rows starting together), side by
 side in one process: ``hf-greedy`` (transformers' batched ``generate``, left-padded), ``none``
 (selfspec's own loop, plain) and selfspec drafter specs through :class:`selfspec.batch.Pool`.
-Recorded per method and B: new tokens summed over the batch per second of wall time, each
+Recorded per method and B: new tokens summed over the batch per second of wall time (and per
+batch, so a method's ratio to plain has a paired-bootstrap interval over batches), each
 request's latency, rows whose greedy text equals that prompt decoded alone by plain selfspec in
 the same dtype, and where the pool's time went (draft, pass, verify, realignment).
 
@@ -24,6 +25,7 @@ import torch
 
 from ..batch import Pool
 from ..chat import encode_chat
+from .benchmark import bootstrap_ci
 
 
 def prompts_from(tokenizer, questions, n: int) -> list[torch.Tensor]:
@@ -85,20 +87,21 @@ def sweep(model, methods: dict, prompts: list[torch.Tensor], batch_sizes: list[i
             if i not in alone:
                 alone[i] = _pool_batch(model, None, [prompts[i]], max_new_tokens)[0][0]
         for name, method in methods.items():
-            tokens, wall, latencies, same, pool = 0, 0.0, [], 0, []
+            tokens, wall, latencies, same, pool, per_chunk = 0, 0.0, [], 0, [], []
             for c, chunk in enumerate(chunks):
                 if method == "hf":
                     outs, lat, seconds = _hf_batch(model, chunk, max_new_tokens)
                 else:
                     outs, lat, seconds, stats = _pool_batch(model, method, chunk, max_new_tokens)
                     pool.append(_stats_dict(stats))
-                for j, (o, p) in enumerate(zip(outs, chunk)):
-                    tokens += o.shape[0] - p.shape[0]
-                    same += torch.equal(o, alone[c * B + j])
+                new = sum(o.shape[0] - p.shape[0] for o, p in zip(outs, chunk))
+                same += sum(torch.equal(o, alone[c * B + j]) for j, o in enumerate(outs))
+                per_chunk.append([new, seconds])
+                tokens += new
                 wall += seconds
                 latencies += lat
             rec = dict(batch=B, method=name, prompts=count, tokens=tokens, seconds=wall, tokens_per_s=tokens / wall,
-                       latency_s=sorted(latencies), identical_rows=same, pool=pool)
+                       latency_s=sorted(latencies), identical_rows=same, pool=pool, chunks=per_chunk)
             records.append(rec)
             if progress is not None:
                 progress(rec)
@@ -154,10 +157,25 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def ratio_ci(record: dict, base: dict) -> list[float] | None:
+    """95% paired-bootstrap interval of ``record``'s tokens/s over ``base``'s on the same batches
+    (the prompts of one batch decoded by both; resampling whole batches). ``None`` under 3 batches."""
+    a, b = record.get("chunks") or [], base.get("chunks") or []
+    if len(a) != len(b):
+        return None
+
+    def ratio(picked):
+        den = sum(b[i][0] for i in picked) / sum(b[i][1] for i in picked)
+        return sum(a[i][0] for i in picked) / sum(a[i][1] for i in picked) / den
+
+    return bootstrap_ci(len(a), ratio)
+
+
 def sweep_table(records: list[dict]) -> str:
     """Markdown: tokens/s summed over the batch per method and B, the ratio to plain batched
-    ``generate`` and to selfspec's plain loop, p50 latency, identical rows and realignment share."""
-    lines = ["| dtype | B | method | tokens/s | vs hf-greedy | vs plain loop | p50 latency s | identical rows | "
+    ``generate`` and to selfspec's plain loop (with its paired-bootstrap interval over batches
+    where there are 3 or more), p50 latency, identical rows and realignment share."""
+    lines = ["| dtype | B | method | tokens/s | vs hf-greedy | vs plain loop (95% CI) | p50 latency s | identical rows | "
              "realign share |", "|---|---|---|---|---|---|---|---|---|"]
     by = {(r["dtype"], r["batch"], r["method"]): r for r in records}
     for r in records:
@@ -166,11 +184,19 @@ def sweep_table(records: list[dict]) -> str:
         share = _mean([p["realign_share"] for p in r["pool"]]) if r["pool"] else None
         cells = [r["dtype"], str(r["batch"]), r["method"], f"{r['tokens_per_s']:.1f}",
                  f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x" if hf else "-",
-                 f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}x" if plain else "-",
+                 _vs(r, plain),
                  f"{percentile(r['latency_s'], 0.5):.2f}", f"{r['identical_rows']}/{r['prompts']}",
                  "-" if share is None else f"{100 * share:.1f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _vs(record: dict, plain: dict | None) -> str:
+    if plain is None:
+        return "-"
+    text = f"{record['tokens_per_s'] / plain['tokens_per_s']:.2f}x"
+    ci = None if record is plain else ratio_ci(record, plain)
+    return text + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
 
 
 def crossover(records: list[dict], method: str, dtype: str) -> int | None:
