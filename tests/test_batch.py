@@ -208,6 +208,27 @@ def test_the_batch_budget_cuts_rows_to_one_node_count_and_stays_exact():
         assert torch.equal(h.output.sequences[0], ref), h.index
 
 
+def test_the_throughput_sweep_and_stream_record_what_the_tables_show():
+    from selfspec.control import Controller
+    from selfspec.measurement import throughput
+
+    model = tiny_model("llama", vocab=VOCAB)
+    model.generation_config.eos_token_id = None
+    prompts = [torch.tensor(p) for p in PROMPTS[:4]]
+    methods = {"hf-greedy": "hf", "none": None, "ngram": Controller(selfspec.build_drafter(model, "ngram", min_ngram=1))}
+    records = throughput.sweep(model, methods, prompts, [1, 2], max_new_tokens=5, min_prompts=4)
+    assert [(r["batch"], r["method"]) for r in records] == [(b, m) for b in (1, 2) for m in methods]
+    for r in records:
+        r["dtype"] = "float64"
+        assert r["tokens"] == 20 and len(r["chunks"]) == 4 // r["batch"] and r["identical_rows"] == 4
+    table = throughput.sweep_table(records)
+    assert "| float64 | 1 | ngram |" in table and "(" in table.split("| float64 | 1 | ngram |")[1].split("\n")[0]
+    run = throughput.stream_run(model, methods["ngram"], prompts, throughput.arrival_times(4, 100.0), max_batch=2,
+                                max_new_tokens=5)
+    assert run["tokens"] == 20 and len(run["latency_s"]) == 4
+    assert all(torch.equal(torch.tensor(o), alone(model, p.tolist(), 5)) for o, p in zip(run["outputs"], prompts))
+
+
 # ---------------------------------------------------------------- heads draft every row in one call
 def _contexts(model, drafter, prompts, temperature):
     """One draft context per prompt as the engine builds it (its taps, its root's hidden state,

@@ -86,22 +86,28 @@ def sweep(model, methods: dict, prompts: list[torch.Tensor], batch_sizes: list[i
         for i in range(count):
             if i not in alone:
                 alone[i] = _pool_batch(model, None, [prompts[i]], max_new_tokens)[0][0]
-        for name, method in methods.items():
-            tokens, wall, latencies, same, pool, per_chunk = 0, 0.0, [], 0, [], []
-            for c, chunk in enumerate(chunks):
+        names = list(methods)
+        acc = {name: dict(tokens=0, wall=0.0, latencies=[], same=0, pool=[], chunks=[]) for name in names}
+        for c, chunk in enumerate(chunks):
+            for k in range(len(names)):  # the order rotated by one per batch: position effects cancel
+                name = names[(k + c) % len(names)]
+                method, a = methods[name], acc[name]
                 if method == "hf":
                     outs, lat, seconds = _hf_batch(model, chunk, max_new_tokens)
                 else:
                     outs, lat, seconds, stats = _pool_batch(model, method, chunk, max_new_tokens)
-                    pool.append(_stats_dict(stats))
+                    a["pool"].append(_stats_dict(stats))
                 new = sum(o.shape[0] - p.shape[0] for o, p in zip(outs, chunk))
-                same += sum(torch.equal(o, alone[c * B + j]) for j, o in enumerate(outs))
-                per_chunk.append([new, seconds])
-                tokens += new
-                wall += seconds
-                latencies += lat
-            rec = dict(batch=B, method=name, prompts=count, tokens=tokens, seconds=wall, tokens_per_s=tokens / wall,
-                       latency_s=sorted(latencies), identical_rows=same, pool=pool, chunks=per_chunk)
+                a["same"] += sum(torch.equal(o, alone[c * B + j]) for j, o in enumerate(outs))
+                a["chunks"].append([new, seconds])
+                a["tokens"] += new
+                a["wall"] += seconds
+                a["latencies"] += lat
+        for name in names:
+            a = acc[name]
+            rec = dict(batch=B, method=name, prompts=count, tokens=a["tokens"], seconds=a["wall"],
+                       tokens_per_s=a["tokens"] / a["wall"], latency_s=sorted(a["latencies"]),
+                       identical_rows=a["same"], pool=a["pool"], chunks=a["chunks"])
             records.append(rec)
             if progress is not None:
                 progress(rec)
