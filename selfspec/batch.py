@@ -446,15 +446,17 @@ class Pool:
         return self._retire()
 
     def _draft(self, drafting: bool) -> tuple[list[DraftTree], list[float]]:
-        """Every row's tree for this step and each row's drafting seconds: each row's controller
-        plans its arm, then every member drafts for all the rows that asked it in one
+        """Every row's tree for this step and each row's drafting seconds (its controller's own
+        decision time included): each row's controller plans its arm, then every member drafts for all the rows that asked it in one
         :meth:`~selfspec.drafters.base.Drafter.propose_many` call (its seconds shared evenly by
         those rows), and each row's controller assembles its tree."""
-        plans, calls = [], {}
+        plans, calls, deciding = [], {}, []  # deciding: each row's own controller seconds (plan, assemble)
         for b, h in enumerate(self.running):
+            t = self.clock()
             ctx = h.request.context(draft=drafting)
             plan = None if ctx is None else h.request.controller.plan(ctx)
             plans.append(plan)
+            deciding.append(self.clock() - t)
             for m, mctx in plan or ():
                 calls.setdefault(m, []).append((b, mctx))
         results: list[list] = [[] for _ in self.running]
@@ -466,15 +468,16 @@ class Pool:
             for (b, _), proposal in zip(asked, proposals):
                 results[b].append((m, proposal, share))
         trees, seconds = [], []
-        for h, plan, got in zip(self.running, plans, results):
+        for h, plan, got, spent in zip(self.running, plans, results, deciding):
             if plan is None:
                 trees.append(DraftTree.root_only(int(h.request.tokens[h.request.length - 1])))
-                seconds.append(0.0)
+                seconds.append(spent)
                 continue
+            t = self.clock()
             order = {m: i for i, (m, _) in enumerate(plan)}
             got.sort(key=lambda r: order[r[0]])
             trees.append(h.request.controller.assemble([(p, s) for _, p, s in got]).tree)
-            seconds.append(sum(s for _, _, s in got))
+            seconds.append(spent + self.clock() - t + sum(s for _, _, s in got))
         if self.controller is not None and len(trees) > 1 and not self.controller.config.fixed:
             trees = self._budget(trees, sum(seconds))
         return trees, seconds
