@@ -1,7 +1,9 @@
 """transformers' processors, stopping criteria and generation configs through speculation: greedy
 output equal to ``model.generate`` with the same settings, a processed law at T > 0 that equals the
 exact processed law (decode-loop harness, with a negative control that processes every node after
-the root's path), and ``model.generate(custom_generate=selfspec.custom_generate(drafter))``."""
+the root's path), and ``model.generate(custom_generate=selfspec.custom_generate(drafter))`` on one
+sequence and on a padded batch (``model.generate``'s own output, padding and early stops included;
+negative control: processors shown the rows without their padding)."""
 
 from __future__ import annotations
 
@@ -102,6 +104,68 @@ def test_model_generate_with_custom_generate(sample):
         torch.manual_seed(3)
         b = model.generate(IDS, custom_generate=hook, **kw)
         assert a.shape == b.shape  # (the controller may change trees between runs; the law is tested below)
+
+
+ROWS = [[3, 9, 27, 3, 9, 27, 3, 9, 5, 11], [7, 8, 9], [12, 40, 12, 40, 12]]
+
+
+def _padded(rows, pad=0, left=True):
+    width = max(map(len, rows))
+    ids = [[pad] * (width - len(r)) + r if left else r + [pad] * (width - len(r)) for r in rows]
+    mask = [[0] * (width - len(r)) + [1] * len(r) if left else [1] * len(r) + [0] * (width - len(r)) for r in rows]
+    return torch.tensor(ids), torch.tensor(mask)
+
+
+# EOS 44 ends rows 0 and 1 at different steps; min_length counts the left padding in model.generate
+BATCH_KW = dict(max_new_tokens=24, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3, pad_token_id=0,
+                eos_token_id=44)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_model_generate_with_custom_generate_on_a_padded_batch(family):
+    model = tiny_model(family, layers=6)
+    ids, mask = _padded(ROWS)
+    kw = BATCH_KW | dict(min_length=ids.shape[1] + 8)
+    want = model.generate(ids, attention_mask=mask, **kw)
+    for drafter in [None, _drafters(model)]:
+        out = model.generate(ids, attention_mask=mask, custom_generate=selfspec.custom_generate(drafter), **kw)
+        assert torch.equal(out, want), (out, want)
+    if family == "llama":  # the batch's rows stop at different steps; the finished ones are padded
+        assert (want[:, -1] == 0).sum() >= 1 and (want[:, ids.shape[1]:] == 0).sum() < want[:, ids.shape[1]:].numel()
+
+
+def test_custom_generate_batch_negative_control_processors_see_unpadded_rows(monkeypatch):
+    """Processors and criteria shown each row without its padding (min_length then counts fewer
+    tokens than model.generate does): the output must differ."""
+    import importlib
+
+    cg = importlib.import_module("selfspec.custom_generate")  # (the package's attribute is the function)
+    model = tiny_model("llama", layers=6)
+    ids, mask = _padded(ROWS)
+    kw = BATCH_KW | dict(min_length=ids.shape[1] + 8)
+    want = model.generate(ids, attention_mask=mask, **kw)
+    monkeypatch.setattr(cg, "row_view", lambda input_ids, given, n: input_ids)
+    out = model.generate(ids, attention_mask=mask, custom_generate=selfspec.custom_generate(None), **kw)
+    assert not torch.equal(out, want)
+
+
+def test_custom_generate_batch_right_padding_sampling_and_refusals():
+    model = tiny_model("llama", layers=6)
+    hook = selfspec.custom_generate(_drafters(model)[1], control=False)
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ids, mask = _padded(ROWS, left=False)  # new tokens follow each row as given; each continues its unpadded prompt
+    out = model.generate(ids, attention_mask=mask, custom_generate=hook, **kw)
+    for b, row in enumerate(ROWS):
+        alone = model.generate(torch.tensor([row]), **kw)
+        assert torch.equal(out[b, ids.shape[1]:], alone[0, len(row):]) and torch.equal(out[b, : ids.shape[1]], ids[b])
+    sample = dict(max_new_tokens=12, do_sample=True, temperature=0.9, pad_token_id=0)
+    ids, mask = _padded(ROWS)
+    torch.manual_seed(5)
+    a = model.generate(ids, attention_mask=mask, custom_generate=hook, **sample)
+    torch.manual_seed(5)
+    b = model.generate(ids, attention_mask=mask, custom_generate=hook, **sample)
+    assert torch.equal(a, b) and a.shape == (3, ids.shape[1] + 12)  # control=False: seeded sampling repeats
+    assert not torch.equal(a[0, -12:], a[1, -12:])
 
 
 # ---------------------------------------------------------------- the law at T > 0
