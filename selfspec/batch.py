@@ -314,8 +314,8 @@ class Handle:
 class Pool:
     """Continuous batching over one model: :meth:`submit` requests, then :meth:`step` (or
     :meth:`run`); each step retires finished rows, admits waiting requests up to ``max_batch``
-    (prefilled one by one, between the others' steps), drafts per row and verifies every row's
-    tree in one pass.
+    (the joiners prefilled together in one pass, between the others' steps), drafts for every row
+    and verifies every row's tree in one pass.
 
     Args:
         model: the target (transformers causal LM, eval mode).

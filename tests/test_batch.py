@@ -223,10 +223,16 @@ def test_the_throughput_sweep_and_stream_record_what_the_tables_show():
         assert r["tokens"] == 20 and len(r["chunks"]) == 4 // r["batch"] and r["identical_rows"] == 4
     table = throughput.sweep_table(records)
     assert "| float64 | 1 | ngram |" in table and "(" in table.split("| float64 | 1 | ngram |")[1].split("\n")[0]
-    run = throughput.stream_run(model, methods["ngram"], prompts, throughput.arrival_times(4, 100.0), max_batch=2,
-                                max_new_tokens=5)
-    assert run["tokens"] == 20 and len(run["latency_s"]) == 4
-    assert all(torch.equal(torch.tensor(o), alone(model, p.tolist(), 5)) for o, p in zip(run["outputs"], prompts))
+    pooled = {"none": None, "ngram": methods["ngram"]}
+    streams = throughput.stream_runs(model, pooled, prompts + prompts[::-1], requests=2, rate=100.0, repeats=4,
+                                     max_batch=2, max_new_tokens=5)
+    for name, result in streams.items():
+        assert result["tokens"] == 40 and len(result["latency_s"]) == 8 and len(result["runs"]) == 4
+        for r, run in enumerate(result["runs"]):  # stream r: the next 2 prompts, each row exact
+            part = (prompts + prompts[::-1])[2 * r: 2 * r + 2]
+            assert all(torch.equal(torch.tensor(o), alone(model, p.tolist(), 5)) for o, p in zip(run["outputs"], part))
+    table = throughput.stream_table({f"{k} (float64)": v for k, v in streams.items()})
+    assert "| ngram (float64) |" in table and "x (" in table.split("| ngram (float64) |")[1].split("\n")[0]
 
 
 # ---------------------------------------------------------------- heads draft every row in one call

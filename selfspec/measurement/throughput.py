@@ -13,7 +13,9 @@ the same dtype, and where the pool's time went (draft, pass, verify, realignment
 
 Stream: ``requests`` prompts arrive at exponential intervals (rate ``arrival_rate`` per second,
 seeded, the same arrival times for every method) into a pool of ``max_batch`` rows; throughput is
-tokens over the makespan, latency is finish minus arrival (percentiles).
+tokens over the makespan, latency is finish minus arrival (percentiles). Repeated streams take
+fresh prompts and arrival times and rotate the methods' order; ratios to plain get intervals
+over whole streams (requests of one stream share its pool, so they are not independent units).
 """
 
 from __future__ import annotations
@@ -123,6 +125,33 @@ def arrival_times(requests: int, rate: float, seed: int = 0) -> list[float]:
     return out
 
 
+def stream_runs(model, methods: dict, prompts: list[torch.Tensor], *, requests: int, rate: float, repeats: int,
+                max_batch: int, max_new_tokens: int, progress=None) -> dict:
+    """``repeats`` streams of ``requests`` requests each: stream r takes the next ``requests``
+    prompts and arrival times seeded r, and runs every method on them in an order rotated by r (so
+    no method always runs first or last). Returns, per method, the pooled result (tokens over the
+    summed makespans, every request's latency) with each stream in ``runs``."""
+    if len(prompts) < requests * repeats:
+        raise ValueError(f"{requests * repeats} prompts needed for {repeats} streams of {requests}, got {len(prompts)}")
+    names = list(methods)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(repeats):
+        part, arrivals = prompts[r * requests:(r + 1) * requests], arrival_times(requests, rate, seed=r)
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            runs[name].append(stream_run(model, methods[name], part, arrivals, max_batch=max_batch,
+                                         max_new_tokens=max_new_tokens))
+            if progress is not None:
+                progress(name, r, runs[name][-1])
+    out = {}
+    for name, rs in runs.items():
+        tokens, makespan = sum(x["tokens"] for x in rs), sum(x["makespan_s"] for x in rs)
+        out[name] = dict(tokens=tokens, makespan_s=makespan, tokens_per_s=tokens / makespan,
+                         latency_s=sorted(v for x in rs for v in x["latency_s"]),
+                         rows_per_step=_mean([x["rows_per_step"] for x in rs]),
+                         realign_share=_mean([x["pool"]["realign_share"] for x in rs]), runs=rs)
+    return out
+
+
 def stream_run(model, controller, prompts: list[torch.Tensor], arrivals: list[float], *, max_batch: int,
                max_new_tokens: int) -> dict:
     """Requests arrive at ``arrivals`` (seconds) into a pool of ``max_batch`` rows; returns tokens,
@@ -142,10 +171,10 @@ def stream_run(model, controller, prompts: list[torch.Tensor], arrivals: list[fl
         pool.step()
     makespan = time.perf_counter() - start
     tokens = sum(h.output.stats.new_tokens for _, h in handles)
-    latency = sorted(h.finished - start - at for at, h in handles)
+    latency = [h.finished - start - at for at, h in handles]  # in arrival order
     wait = sorted(h.admitted - start - at for at, h in handles)
-    return dict(tokens=tokens, makespan_s=makespan, tokens_per_s=tokens / makespan, latency_s=latency,
-                queue_wait_s=wait, rows_per_step=_mean(pool.stats.rows_per_step), pool=_stats_dict(pool.stats),
+    return dict(tokens=tokens, makespan_s=makespan, tokens_per_s=tokens / makespan, latency_s=sorted(latency),
+                latency_by_request=latency, queue_wait_s=wait, rows_per_step=_mean(pool.stats.rows_per_step), pool=_stats_dict(pool.stats),
                 outputs=[h.output.sequences[0].tolist() for _, h in handles])
 
 
@@ -214,14 +243,47 @@ def crossover(records: list[dict], method: str, dtype: str) -> int | None:
     return None
 
 
-def stream_table(results: dict) -> str:
-    lines = ["| method | tokens/s | p50 latency s | p90 | p99 | mean rows per step | realign share |",
-             "|---|---|---|---|---|---|---|"]
+def stream_table(results: dict, plain: str = "none") -> str:
+    """Markdown: per method (``"name (dtype)"`` keys), tokens/s over the makespans, latency
+    percentiles over every request, and the ratios of tokens/s and mean latency to ``plain`` in the
+    same dtype, with 95% paired-bootstrap intervals over whole streams (3 or more)."""
+    lines = ["| method | tokens/s | vs plain (95% CI) | p50 latency s | p90 | p99 | mean latency vs plain (95% CI) | "
+             "mean rows per step | realign share |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
+        base = plain + name[name.index(" ("):] if " (" in name else plain
+        ref = results.get(base)
         lat = r["latency_s"]
-        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {percentile(lat, .5):.2f} | {percentile(lat, .9):.2f} | "
-                     f"{percentile(lat, .99):.2f} | {r['rows_per_step']:.1f} | {100 * r['pool']['realign_share']:.1f}% |")
+        share = r.get("realign_share", r.get("pool", {}).get("realign_share", 0.0))
+        rate = latency = "-"
+        if ref is not None and name != base:
+            rate = _with_ci(r["tokens_per_s"] / ref["tokens_per_s"], _runs_ci(r, ref, _rate_ratio))
+            latency = _with_ci(sum(lat) / sum(ref["latency_s"]), _runs_ci(r, ref, _latency_ratio))
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {rate} | {percentile(lat, .5):.2f} | "
+                     f"{percentile(lat, .9):.2f} | {percentile(lat, .99):.2f} | {latency} | {r['rows_per_step']:.1f} | "
+                     f"{100 * share:.1f}% |")
     return "\n".join(lines)
+
+
+def _rate_ratio(a: list[dict], b: list[dict]) -> float:
+    return (sum(x["tokens"] for x in a) / sum(x["makespan_s"] for x in a)) / \
+        (sum(x["tokens"] for x in b) / sum(x["makespan_s"] for x in b))
+
+
+def _latency_ratio(a: list[dict], b: list[dict]) -> float:
+    return sum(sum(x["latency_s"]) for x in a) / sum(sum(x["latency_s"]) for x in b)
+
+
+def _runs_ci(record: dict, base: dict, statistic) -> list[float] | None:
+    """95% paired-bootstrap interval of ``statistic(record's streams, base's streams)``, resampling
+    whole streams (the same arrivals and prompts for both)."""
+    a, b = record.get("runs") or [], base.get("runs") or []
+    if len(a) != len(b):
+        return None
+    return bootstrap_ci(len(a), lambda picked: statistic([a[i] for i in picked], [b[i] for i in picked]))
+
+
+def _with_ci(value: float, ci: list[float] | None) -> str:
+    return f"{value:.2f}x" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
 
 
 def plot_sweep(records: list[dict], path: str, title: str = "") -> None:
