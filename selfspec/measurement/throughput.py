@@ -174,7 +174,8 @@ def stream_run(model, controller, prompts: list[torch.Tensor], arrivals: list[fl
     latency = [h.finished - start - at for at, h in handles]  # in arrival order
     wait = sorted(h.admitted - start - at for at, h in handles)
     return dict(tokens=tokens, makespan_s=makespan, tokens_per_s=tokens / makespan, latency_s=sorted(latency),
-                latency_by_request=latency, queue_wait_s=wait, rows_per_step=_mean(pool.stats.rows_per_step), pool=_stats_dict(pool.stats),
+                latency_by_request=latency, queue_wait_s=wait, rows_per_step=_mean(pool.stats.rows_per_step),
+                pool=_stats_dict(pool.stats),
                 outputs=[h.output.sequences[0].tolist() for _, h in handles])
 
 
