@@ -21,8 +21,7 @@ longest row's count. Processors and stopping criteria see each row as ``model.ge
 to them, the padded input row followed by the new tokens (:func:`row_view`), so criteria that count
 the padding (``min_length``, ``max_length``) and processors that see the pad tokens (n-gram bans)
 or skip them (the repetition penalty's per-row padding lengths, :func:`for_row`) act as they do
-there. Internally each row decodes unpadded (its own
-positions), so with right padding the new tokens are those of the unpadded prompt (transformers'
+there. Internally each row decodes unpadded (its own positions), so with right padding the new tokens are those of the unpadded prompt (transformers'
 own loop would read the first one after a pad).
 
 transformers (5.x) hands no streamer to a ``custom_generate`` callable (it puts the prompt to it
@@ -137,11 +136,7 @@ def _batch(model, input_ids, mask, drafter, control, seed, logits_processor, sto
 
 
 def _pad_token(generation_config) -> int | None:
-    """The pad id ``model.generate`` fills finished rows with (its prepared tensor, else the config's)."""
-    if generation_config is None:
-        return None
+    """The pad id ``model.generate`` fills finished rows with (its prepared tensor: the config's
+    ``pad_token_id``, else the first EOS id), or ``None``."""
     prepared = getattr(generation_config, "_pad_token_tensor", None)
-    if prepared is not None:
-        return int(prepared.reshape(-1)[0])
-    pad = generation_config.pad_token_id
-    return None if pad is None else int(pad if isinstance(pad, int) else list(pad)[0])
+    return None if prepared is None else int(prepared.reshape(-1)[0])

@@ -179,3 +179,14 @@ class OracleDrafter(Drafter):
                 b.add(node, (tok + 1) % self.vocab)
             node = b.add(node, tok)
         return b.build()
+
+
+def padded(rows: list[list[int]], pad: int = 0, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, max_len]`` ids padded with ``pad`` on the left (or right) and their attention mask."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        cols = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[b, cols], mask[b, cols] = torch.tensor(r, dtype=torch.long), 1
+    return ids, mask

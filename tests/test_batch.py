@@ -25,7 +25,7 @@ from selfspec.batch import BatchTarget, Pool
 from selfspec.control.gate import BatchGate
 from selfspec.control.cost import CostModel
 from selfspec.sampling import SamplingConfig, target_probs
-from stubs import ScriptedDrafter
+from stubs import ScriptedDrafter, padded
 from test_distribution import chi_square_ok
 from tiny_models import FAMILIES, tiny_model
 
@@ -104,13 +104,8 @@ def test_generate_takes_a_list_or_padded_ids_with_a_mask():
     model = tiny_model("qwen2", vocab=VOCAB)
     prompts = PROMPTS[:4]
     refs = [alone(model, p, 10) for p in prompts]
-    width = max(len(p) for p in prompts)
-    left = torch.zeros(len(prompts), width, dtype=torch.long)
-    right = torch.zeros_like(left)
-    mask_l, mask_r = torch.zeros_like(left), torch.zeros_like(left)
-    for b, p in enumerate(prompts):
-        left[b, width - len(p):], mask_l[b, width - len(p):] = torch.tensor(p), 1
-        right[b, : len(p)], mask_r[b, : len(p)] = torch.tensor(p), 1
+    left, mask_l = padded(prompts)
+    right, mask_r = padded(prompts, left=False)
     drafter = selfspec.build_drafter(model, "ngram", min_ngram=1)
     for ids, mask in ((prompts, None), (left, mask_l), (right, mask_r)):
         out = selfspec.generate(model, ids, attention_mask=mask, drafter=drafter, max_new_tokens=10, eos_token_id=[])

@@ -19,7 +19,7 @@ import selfspec.request
 from selfspec.drafters import build_drafter
 from selfspec.engine import decode
 from selfspec.sampling import SamplingConfig, target_probs
-from stubs import ScriptedDrafter, fixed, table_target
+from stubs import ScriptedDrafter, fixed, padded, table_target
 from test_distribution import NEW, PROMPT, SAMPLES, VOCAB, chi_square_ok, control_samples
 from tiny_models import FAMILIES, tiny_model
 
@@ -109,13 +109,6 @@ def test_model_generate_with_custom_generate(sample):
 ROWS = [[3, 9, 27, 3, 9, 27, 3, 9, 5, 11], [7, 8, 9], [12, 40, 12, 40, 12]]
 
 
-def _padded(rows, pad=0, left=True):
-    width = max(map(len, rows))
-    ids = [[pad] * (width - len(r)) + r if left else r + [pad] * (width - len(r)) for r in rows]
-    mask = [[0] * (width - len(r)) + [1] * len(r) if left else [1] * len(r) + [0] * (width - len(r)) for r in rows]
-    return torch.tensor(ids), torch.tensor(mask)
-
-
 # EOS 44 ends rows 0 and 1 at different steps; min_length counts the left padding in model.generate
 BATCH_KW = dict(max_new_tokens=24, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3, pad_token_id=0,
                 eos_token_id=44)
@@ -124,7 +117,7 @@ BATCH_KW = dict(max_new_tokens=24, do_sample=False, repetition_penalty=1.3, no_r
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_model_generate_with_custom_generate_on_a_padded_batch(family):
     model = tiny_model(family, layers=6)
-    ids, mask = _padded(ROWS)
+    ids, mask = padded(ROWS)
     kw = BATCH_KW | dict(min_length=ids.shape[1] + 8)
     want = model.generate(ids, attention_mask=mask, **kw)
     for drafter in [None, _drafters(model)]:
@@ -141,7 +134,7 @@ def test_custom_generate_batch_negative_control_processors_see_unpadded_rows(mon
 
     cg = importlib.import_module("selfspec.custom_generate")  # (the package's attribute is the function)
     model = tiny_model("llama", layers=6)
-    ids, mask = _padded(ROWS)
+    ids, mask = padded(ROWS)
     kw = BATCH_KW | dict(min_length=ids.shape[1] + 8)
     want = model.generate(ids, attention_mask=mask, **kw)
     monkeypatch.setattr(cg, "row_view", lambda input_ids, given, n: input_ids)
@@ -153,13 +146,13 @@ def test_custom_generate_batch_right_padding_sampling_and_refusals():
     model = tiny_model("llama", layers=6)
     hook = selfspec.custom_generate(_drafters(model)[1], control=False)
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-    ids, mask = _padded(ROWS, left=False)  # new tokens follow each row as given; each continues its unpadded prompt
+    ids, mask = padded(ROWS, left=False)  # new tokens follow each row as given; each continues its unpadded prompt
     out = model.generate(ids, attention_mask=mask, custom_generate=hook, **kw)
     for b, row in enumerate(ROWS):
         alone = model.generate(torch.tensor([row]), **kw)
         assert torch.equal(out[b, ids.shape[1]:], alone[0, len(row):]) and torch.equal(out[b, : ids.shape[1]], ids[b])
     sample = dict(max_new_tokens=12, do_sample=True, temperature=0.9, pad_token_id=0)
-    ids, mask = _padded(ROWS)
+    ids, mask = padded(ROWS)
     torch.manual_seed(5)
     a = model.generate(ids, attention_mask=mask, custom_generate=hook, **sample)
     torch.manual_seed(5)

@@ -171,11 +171,10 @@ def stream_run(model, controller, prompts: list[torch.Tensor], arrivals: list[fl
         pool.step()
     makespan = time.perf_counter() - start
     tokens = sum(h.output.stats.new_tokens for _, h in handles)
-    latency = [h.finished - start - at for at, h in handles]  # in arrival order
+    latency = sorted(h.finished - start - at for at, h in handles)
     wait = sorted(h.admitted - start - at for at, h in handles)
-    return dict(tokens=tokens, makespan_s=makespan, tokens_per_s=tokens / makespan, latency_s=sorted(latency),
-                latency_by_request=latency, queue_wait_s=wait, rows_per_step=_mean(pool.stats.rows_per_step),
-                pool=_stats_dict(pool.stats),
+    return dict(tokens=tokens, makespan_s=makespan, tokens_per_s=tokens / makespan, latency_s=latency,
+                queue_wait_s=wait, rows_per_step=_mean(pool.stats.rows_per_step), pool=_stats_dict(pool.stats),
                 outputs=[h.output.sequences[0].tolist() for _, h in handles])
 
 
@@ -254,14 +253,13 @@ def stream_table(results: dict, plain: str = "none") -> str:
         base = plain + name[name.index(" ("):] if " (" in name else plain
         ref = results.get(base)
         lat = r["latency_s"]
-        share = r.get("realign_share", r.get("pool", {}).get("realign_share", 0.0))
         rate = latency = "-"
         if ref is not None and name != base:
             rate = _with_ci(r["tokens_per_s"] / ref["tokens_per_s"], _runs_ci(r, ref, _rate_ratio))
             latency = _with_ci(sum(lat) / sum(ref["latency_s"]), _runs_ci(r, ref, _latency_ratio))
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {rate} | {percentile(lat, .5):.2f} | "
                      f"{percentile(lat, .9):.2f} | {percentile(lat, .99):.2f} | {latency} | {r['rows_per_step']:.1f} | "
-                     f"{100 * share:.1f}% |")
+                     f"{100 * r['realign_share']:.1f}% |")
     return "\n".join(lines)
 
 
