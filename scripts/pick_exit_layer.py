@@ -2,7 +2,7 @@
 
     python scripts/pick_exit_layer.py [--target smollm2-135m-instruct] [--prompts 8] [--out FOLDER]
 
-Calibration prompts come from GSM8K (train split) and HumanEval in ../shared/data, never from the
+Calibration prompts come from GSM8K (train split) and HumanEval (the shipped sets), never from the
 benchmark sets. The target writes its greedy continuation of each; the acceptance of the plain
 early exit after every layer is measured in one pass, the cost of a drafting level and of a verify
 pass is timed here, and the best (exit layer, depth) under the independence model are then run for
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,12 +22,11 @@ import torch  # noqa: E402
 import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
 from selfspec.drafters import build_drafter, save_drafter  # noqa: E402
-from selfspec.measurement.calibration import verify_costs  # noqa: E402
+from selfspec.measurement.costs import verify_costs  # noqa: E402
 from selfspec.measurement.exit_search import exit_acceptance, level_costs, rank_exits  # noqa: E402
 from selfspec.measurement.measure import compare, pooled_speedup  # noqa: E402
 from selfspec.measurement.workloads import calibration_prompts  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def main(argv=None) -> None:
@@ -43,7 +41,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, tok = selfspec.load_target(args.target, dtype="float32")  # (as measured and stored before dtype="auto")
-    prompts = [encode_chat(tok, [{"role": "user", "content": p}]) for p in calibration_prompts(SHARED, args.prompts)]
+    prompts = [encode_chat(tok, [{"role": "user", "content": p}]) for p in calibration_prompts(args.prompts)]
     seqs = []
     for ids in prompts:
         out = selfspec.generate(model, ids, max_new_tokens=args.new_tokens)

@@ -164,24 +164,47 @@ def bf16_faster_here(device: str = "cpu") -> bool:
     return _BF16_FASTER[key]
 
 
-def resolve_dtype(dtype, device: str = "cpu") -> torch.dtype:
-    """``None`` / ``"float32"`` -> float32; ``"auto"`` -> bfloat16 where it runs natively and
-    measures faster here (:func:`bf16_faster_here`), else float32; names and torch dtypes pass
-    through."""
+def resolve_dtype(dtype, device: str = "cpu") -> torch.dtype | str:
+    """``None`` / ``"float32"`` -> float32; names and torch dtypes pass through. ``"auto"``: on an
+    accelerator, ``"auto"`` itself (``from_pretrained`` then loads the checkpoint's own dtype, bf16 or
+    fp16 for any model trained in them); on a CPU, bfloat16 where it runs natively and measures
+    faster here (:func:`bf16_faster_here`), else float32."""
     if dtype is None:
         return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
+        if torch.device(device).type != "cpu":
+            return "auto"
         return torch.bfloat16 if bf16_faster_here(device) else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
     return DTYPES[dtype]
 
 
+#: Attention implementations that take the 4D float mask a tree pass needs.
+TREE_ATTENTION = ("sdpa", "eager")
+
+
+def tree_ready_attention(requested: str | None) -> str | None:
+    """The attention implementation to load: ``requested`` when it takes a tree mask (or is unset:
+    transformers' default, sdpa), else ``"sdpa"`` with a warning naming the one refused (flash
+    attention kernels take no arbitrary mask, so a tree would attend to its siblings)."""
+    if requested is None or requested in TREE_ATTENTION:
+        return requested
+    warnings.warn(f"attn_implementation={requested!r} cannot take a tree attention mask (verification would be "
+                  f"wrong); loading with 'sdpa' instead (one of {TREE_ATTENTION})", RuntimeWarning, stacklevel=3)
+    return "sdpa"
+
+
+#: ``from_pretrained`` keyword arguments :func:`load_target` passes through.
+PRETRAINED_KWARGS = ("revision", "trust_remote_code", "attn_implementation", "device_map", "quantization_config",
+                     "token", "cache_dir", "low_cpu_mem_usage")
+
+
 def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str | None = "auto", device=None,
                 allow_download: bool | None = None, prepack: bool | None = None, packed_attention: bool | None = None,
-                skinny: bool | None = None):
+                skinny: bool | None = None, **from_pretrained_kwargs):
     """Load a target model and its tokenizer.
 
     Args:
@@ -211,6 +234,13 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
             (``skinny_pays``; with AVX-512 it was measured slower); ``True`` forces it on any CPU,
             and raises for other dtypes or devices.
 
+        **from_pretrained_kwargs: passed to ``from_pretrained`` (:data:`PRETRAINED_KWARGS`:
+            ``revision``, ``trust_remote_code``, ``attn_implementation``, ``device_map``,
+            ``quantization_config``, ...); ``revision``, ``trust_remote_code``, ``token`` and
+            ``cache_dir`` reach the tokenizer too. An attention implementation that cannot take a
+            tree mask is replaced by sdpa with a warning (:func:`tree_ready_attention`). With
+            ``device_map`` the model stays where it places it.
+
     Returns:
         ``(model, tokenizer)`` with the model in eval mode.
     """
@@ -218,7 +248,13 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
 
     from .prepack import prepack_available, prepack_linears
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    unknown = set(from_pretrained_kwargs) - set(PRETRAINED_KWARGS)
+    if unknown:
+        raise TypeError(f"load_target() got unknown arguments {sorted(unknown)}; it passes {list(PRETRAINED_KWARGS)} "
+                        "to from_pretrained")
+    device = str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available here (use 'cpu')")
     dtype = resolve_dtype(dtype, device)
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not bf16_is_fast(device):
         warnings.warn("bfloat16 asked for on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in "
@@ -234,14 +270,22 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
     if skinny and not skinny_available(dtype, device):
         raise ValueError(f"skinny=True needs a float32 model on a CPU; got {str(dtype).removeprefix('torch.')} on {device}")
     where, gguf_file = resolve(name_or_path)
+    if gguf_file and dtype == "auto":  # a GGUF file has no training dtype: its weights dequantise to bf16
+        dtype = torch.bfloat16
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tok_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "trust_remote_code", "token", "cache_dir")}
+    model_kwargs = dict(from_pretrained_kwargs)
+    if "attn_implementation" in model_kwargs:
+        model_kwargs["attn_implementation"] = tree_ready_attention(model_kwargs["attn_implementation"])
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     if allow_download is False or offline:
         kwargs["local_files_only"] = True
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs, **tok_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs, **model_kwargs)
     except OSError as err:
+        if os.path.isdir(where):
+            raise OSError(f"could not load target {name_or_path!r} from the local folder {where!r}: {err}") from err
         known = ", ".join(sorted(ALIASES))
         how = ("it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set (unset it to download)"
                if offline and allow_download is not False else
@@ -251,7 +295,13 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
             f"could not load target {name_or_path!r}: not an alias ({known}), a local folder or "
             f".gguf file, and {how} ({err})"
         ) from err
-    model = model.to(device).eval()
+    if model_kwargs.get("device_map") is None:
+        model = model.to(device)
+    model = model.eval()
+    if model.config._attn_implementation not in TREE_ATTENTION:  # e.g. a config that names flash attention
+        model.set_attn_implementation(tree_ready_attention(model.config._attn_implementation))
+    dtype = next(model.parameters()).dtype
+    available = prepack_available(dtype, device)
     if available and prepack is not False:
         prepack_linears(model)
     if skinny or (skinny is None and skinny_pays(dtype, device)):

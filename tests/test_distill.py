@@ -8,11 +8,13 @@ import pytest
 import torch
 from datasets import load_from_disk
 
+from selfspec import prompts
+from selfspec.measurement import calibration
 from selfspec.training.distill import DistillConfig, collect_prompts, distill
 from tiny_models import tiny_model, tiny_tokenizer
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.exists(), reason="shared/data not beside the checkout")
+DATA = prompts.root()  # the shipped prompt sets
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def config(**kw) -> DistillConfig:
@@ -21,7 +23,6 @@ def config(**kw) -> DistillConfig:
     return DistillConfig(**(base | kw))
 
 
-@needs_data
 def test_prompt_selection_is_seeded_and_holds_out_benchmark_prompts():
     a, b = collect_prompts(config()), collect_prompts(config())
     assert a == b and len(a) == 6
@@ -30,7 +31,6 @@ def test_prompt_selection_is_seeded_and_holds_out_benchmark_prompts():
     assert collect_prompts(config(seed=1)) != a
 
 
-@needs_data
 def test_distill_writes_a_dataset_and_resumes_from_shards(tmp_path):
     tok = tiny_tokenizer()
     model = tiny_model("llama", vocab=len(tok), dtype=torch.float32)
@@ -47,7 +47,7 @@ def test_distill_writes_a_dataset_and_resumes_from_shards(tmp_path):
 
 
 def _fixture(root: Path) -> Path:
-    """A miniature of ../shared/data (same formats) whose chat set repeats benchmark prompts."""
+    """A miniature of the shipped prompt sets (same formats) whose chat set repeats benchmark prompts."""
     import gzip
     import json
 
@@ -76,9 +76,8 @@ def _fixture(root: Path) -> Path:
 
 
 def test_benchmark_prompts_never_reach_distillation(tmp_path):
-    """Runs in CI without ../shared: a fixture whose chat / tool sets repeat MT-Bench turns and
-    held-out BFCL prompts; none of them is distilled. With ../shared present, the chat-scale config
-    is checked on the real files too."""
+    """A fixture whose chat / tool sets repeat MT-Bench turns and held-out BFCL prompts: none of them
+    is distilled; then the chat-scale configs on the shipped prompt sets."""
     from selfspec.training.distill import benchmark_prompts
 
     data = _fixture(tmp_path)
@@ -89,7 +88,7 @@ def test_benchmark_prompts_never_reach_distillation(tmp_path):
     users = [p["user"] for p in collect_prompts(cfg)]
     assert not set(users) & held
     assert "Tell me a joke." in users and "book a table" in users and "call f 3" in users
-    if DATA.exists():
+    if True:
         from selfspec.training.jobs import load_any
 
         job = load_any(Path(__file__).resolve().parents[1] / "configs" / "distill" / "smollm2.yaml")
@@ -172,15 +171,14 @@ def test_a_shard_range_splits_one_window_into_held_out_and_training_answers(tmp_
             load_distilled(empty)
 
 
-def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_on(tmp_path):
-    """``scripts/calibrate.py``'s hold-out: the prompts of the head's dataset (its manifest) and of
+def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_on(tmp_path, monkeypatch):
+    """Calibration's hold-out: the prompts of the head's dataset (its manifest) and of
     every dataset in its lineage (a shard range keeps its window out but for the prompts answered only
     outside the range, the held-out shards); an absent ``runs/`` folder is traced to the distill config in
     configs/ that writes it; a dataset it cannot trace is refused, never silently ignored."""
     import json
 
-    from selfspec.commands import calibrate
-
+    
     data = _fixture(tmp_path)
     folder = tmp_path / "ds"
     folder.mkdir()
@@ -188,9 +186,9 @@ def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_o
     (folder / "manifest.json").write_text(json.dumps({"config": cfg.__dict__}))
     mine = {p["user"].strip() for p in collect_prompts(cfg)}
     meta = {"extra": {"training": {"dataset": str(folder)}, "lineage": [{"dataset": str(folder)}]}}
-    assert calibrate.training_prompts(meta) == mine and mine
+    assert calibration.training_prompts(meta) == mine and mine
     ranged = {"extra": {"training": {"dataset": f"{folder}[1:]"}}}  # a shard range, no shards here: the whole window
-    assert calibrate.training_prompts(ranged) == mine
+    assert calibration.training_prompts(ranged) == mine
     # with its shards here: a prompt answered only in a shard outside the range is held out (window
     # d's first six shards), one answered inside it is not, nor one the window never answered
     window = tmp_path / "window"
@@ -203,24 +201,25 @@ def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_o
         line = {"source": rec["source"], "source_id": rec["source_id"], "prompt_ids": [1], "response_ids": [2]}
         (window / "shards" / f"{i:05d}.jsonl").write_text(json.dumps(line) + "\n")
     first, second = records[0]["user"].strip(), records[1]["user"].strip()
-    assert calibrate.training_prompts({"extra": {"training": {"dataset": f"{window}[1:]"}}}) == {second}
-    assert calibrate.training_prompts({"extra": {"training": {"dataset": f"{window}[:1]"}}}) == {first}
+    assert calibration.training_prompts({"extra": {"training": {"dataset": f"{window}[1:]"}}}) == {second}
+    assert calibration.training_prompts({"extra": {"training": {"dataset": f"{window}[:1]"}}}) == {first}
     both = {"extra": {"training": {"dataset": f"{window}[1:]"}, "lineage": [{"dataset": f"{window}[:1]"}]}}
-    assert calibrate.training_prompts(both) == {first, second}  # held out by one run, trained on by its ancestor
+    assert calibration.training_prompts(both) == {first, second}  # held out by one run, trained on by its ancestor
     (window / "shards" / "00001.jsonl").unlink()  # the range's shard not written (yet): kept out all the same
-    assert calibrate.training_prompts({"extra": {"training": {"dataset": f"{window}[1:]"}}}) == {second}
+    assert calibration.training_prompts({"extra": {"training": {"dataset": f"{window}[1:]"}}}) == {second}
     (window / "shards" / "00000.jsonl").rename(window / "shards" / "00001.jsonl")  # a gap: positions unknown
-    assert calibrate.training_prompts({"extra": {"training": {"dataset": f"{window}[1:]"}}}) == {first, second}
-    with pytest.raises(SystemExit, match="only 3 calibration prompts"):  # calibrate / draft_cost / head_kernels
-        calibrate._enough(["a", "b", "c"], 24)
-    calibrate._enough(["a", "b"], 2)  # as many as asked for: enough
+    assert calibration.training_prompts({"extra": {"training": {"dataset": f"{window}[1:]"}}}) == {first, second}
+    monkeypatch.setattr(calibration, "heldout_chat_prompts", lambda n, exclude: ["a", "b", "c"])
+    with pytest.raises(ValueError, match="only 3 calibration prompts are left"):
+        calibration.heldout_prompts({"extra": {}}, 24)
+    assert calibration.heldout_prompts({"extra": {}}, 3) == ["a", "b", "c"]  # as many as asked for: enough
     lost = {"extra": {"training": {"dataset": str(folder)}, "lineage": [{"dataset": "runs/distill/nowhere"}]}}
-    with pytest.raises(SystemExit, match="cannot be kept out"):
-        calibrate.training_prompts(lost)
-    if DATA.exists():  # the shipped head's first window lives in runs/ of an earlier session
-        calibrate.SHARED = DATA
-        traced = calibrate.training_prompts({"extra": {"lineage": [{"dataset": "runs/distill/smollm2-chat-b"}]}})
-        assert len(traced) > 4000
+    with pytest.raises(ValueError, match="cannot be kept out"):
+        calibration.training_prompts(lost)
+    # the shipped head's first window lived in runs/ of an earlier session: traced to its distill config
+    traced = calibration.training_prompts({"extra": {"lineage": [{"dataset": "runs/distill/smollm2-chat-b"}]}},
+                                          ROOT / "configs" / "distill")
+    assert len(traced) > 4000
 
 
 def test_your_own_conversations_in_every_format_are_regenerated_turn_by_turn(tmp_path):

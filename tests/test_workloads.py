@@ -1,4 +1,4 @@
-"""Prompt-set loaders on the shared data files and on malformed input."""
+"""Prompt-set loaders on the shipped prompt files and on malformed input."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from selfspec import prompts
+
 from selfspec.measurement.workloads import (first_per_category, load_bfcl, load_questions, load_spec_bench,
                                             take_per_category)
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.exists(), reason="shared/data not beside the checkout")
+DATA = prompts.root()
 
 
-@needs_data
 def test_mt_bench_loads_with_two_turns_per_question():
     qs = load_spec_bench(DATA / "mt_bench_question.jsonl")
     assert len(qs) == 80 and all(len(q.turns) == 2 for q in qs)
@@ -22,7 +22,6 @@ def test_mt_bench_loads_with_two_turns_per_question():
     assert len(picked) == 8 and len({q.category for q in picked}) == 8
 
 
-@needs_data
 def test_bfcl_renders_tools_into_the_system_message():
     qs = load_questions(DATA / "bfcl" / "BFCL_v4_simple_python.json")
     assert len(qs) == 400

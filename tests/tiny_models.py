@@ -63,3 +63,14 @@ def tiny_tokenizer(vocab: int = 128) -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="</s>")
     fast.chat_template = TEMPLATE
     return fast
+
+
+def save_tiny(folder, family: str = "llama", *, layers: int | None = None):
+    """A tiny float32 model and its tokenizer saved as a Hugging Face folder (what a user's hub
+    checkout looks like to ``selfspec.load_target``); returns the folder."""
+    tok = tiny_tokenizer()
+    model = tiny_model(family, vocab=len(tok), dtype=torch.float32, layers=layers)
+    model.config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

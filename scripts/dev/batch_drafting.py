@@ -78,7 +78,7 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=selfspec.DEFAULT_TARGET)
-    ap.add_argument("--questions", default="docs/prompts/mt_bench_question.jsonl")
+    ap.add_argument("--questions", default="selfspec/prompts/heldout/mt_bench_question.jsonl")
     ap.add_argument("--kinds", nargs="+", default=["eagle3", "medusa", "layerskip"])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--dtype", default="bfloat16")

@@ -1,6 +1,6 @@
 """Benchmark selfspec drafters and transformers peers against plain decoding, side by side.
 
-    selfspec bench --questions ../shared/data/mt_bench_question.jsonl --per-category 1 \
+    selfspec bench --questions selfspec/prompts/mt_bench_question.jsonl --per-category 1 \
         --methods medusa layerskip ngram hf-greedy hf-prompt-lookup hf-early-exit:10 --out runs/bench
 
 Question files: Spec-Bench format (``question_id``, ``category``, ``turns``; multi-turn replayed
@@ -20,7 +20,7 @@ loop, drafter specs) over batch sizes in each of ``--dtypes``; ``--arrival-rate 
 runs a stream of N requests arriving at R per second into a pool of ``--max-batch`` rows; a spec
 ending in ``#nogate`` runs without the batch gate (:mod:`selfspec.control.gate`):
 
-    selfspec bench --questions docs/prompts/mt_bench_question.jsonl --batch-sizes 1 2 4 8 16 32 \
+    selfspec bench --questions selfspec/prompts/heldout/mt_bench_question.jsonl --batch-sizes 1 2 4 8 16 32 \
         --dtypes bfloat16 float32 --methods hf-greedy none ngram eagle3+ngram --max-new-tokens 64 --out runs/batch
 
 Outside the throughput mode, finished turns are appended to <out>.partial.jsonl as they
@@ -106,8 +106,9 @@ def main(argv=None) -> None:
     if args.resummarise:
         with open(args.out + ".json") as f:
             stored = json.load(f)
-        write(args.out, stored["args"], benchmark.from_rows(stored["records"]), stored.get("command", ""),
-              args.title or stored["args"].get("title", ""), stored.get("provenance"))
+        print(benchmark.markdown_table(benchmark.write_report(
+            args.out, stored["args"], benchmark.from_rows(stored["records"]), stored.get("command", ""),
+            args.title or stored["args"].get("title", ""), stored.get("provenance"))))
         return
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -189,7 +190,7 @@ def main(argv=None) -> None:
                             repeats=args.repeats)
     command = "selfspec bench " + " ".join(argv or sys.argv[1:])
     if args.out:
-        write(args.out, vars(args), records, command, args.title, prov)
+        print(benchmark.markdown_table(benchmark.write_report(args.out, vars(args), records, command, args.title, prov)))
     else:
         print(benchmark.markdown_table(benchmark.summarise(records, by_turn=args.by_turn)))
 
@@ -259,28 +260,6 @@ def throughput_main(args, argv, prov) -> None:
                                     crossover=cross, stream=streams), f"`{command}`\n\n{text}\n")
         if records:
             throughput.plot_sweep(records, args.out + ".png", args.title)
-
-
-def write(out: str, args: dict, records, command: str, title: str = "", prov: dict | None = None) -> None:
-    """Write <out>.json (args, command, provenance, summary, records), <out>.md (command + table),
-    <out>_overall.md (command + the overall rows only) and plots. ``prov``: the run's stored
-    provenance when re-summarising (default: this process's)."""
-    summary = benchmark.summarise(records, by_turn=bool(args.get("by_turn")))
-    table = benchmark.markdown_table(summary)
-    print(table)
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    tmp = out + ".json.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"args": args, "command": command, "provenance": prov or benchmark.provenance(), "summary": summary,
-                   "records": benchmark.as_rows(records)}, f, indent=1)
-    os.replace(tmp, out + ".json")
-    where = benchmark.divergence_table(summary)  # (the full report only: where each greedy output left plain's)
-    with open(out + ".md", "w") as f:
-        f.write(f"`{command}`\n\n{table}\n" + (f"\n{where}\n" if where else ""))
-    overall = benchmark.markdown_table({"overall": summary["overall"]})
-    with open(out + "_overall.md", "w") as f:
-        f.write(f"`{command}`\n\n{overall}\n")
-    benchmark.plot(summary, out, title)
 
 
 if __name__ == "__main__":

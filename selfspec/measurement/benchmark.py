@@ -39,6 +39,8 @@ Metric conventions (per group of prompts, summed over the group's runs):
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import random
 import threading
 import time
@@ -723,3 +725,25 @@ def provenance() -> dict:
     return {"commit": commit, "dirty": dirty, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "machine": f"{platform.machine()} {os.cpu_count()} cpus",
             "torch_threads": torch.get_num_threads(), "cpu": cpu_label()}
+
+
+def write_report(out: str, args: dict, records, command: str, title: str = "", prov: dict | None = None) -> dict:
+    """Write <out>.json (args, command, provenance, summary, records), <out>.md (command + table),
+    <out>_overall.md (command + the overall rows only) and plots. ``prov``: the run's stored
+    provenance when re-summarising (default: this process's). Returns the summary."""
+    summary = summarise(records, by_turn=bool(args.get("by_turn")))
+    table = markdown_table(summary)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    tmp = out + ".json.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"args": args, "command": command, "provenance": prov or provenance(), "summary": summary,
+                   "records": as_rows(records)}, f, indent=1)
+    os.replace(tmp, out + ".json")
+    where = divergence_table(summary)  # (the full report only: where each greedy output left plain's)
+    with open(out + ".md", "w", encoding="utf-8") as f:
+        f.write(f"`{command}`\n\n{table}\n" + (f"\n{where}\n" if where else ""))
+    overall = markdown_table({"overall": summary["overall"]})
+    with open(out + "_overall.md", "w", encoding="utf-8") as f:
+        f.write(f"`{command}`\n\n{overall}\n")
+    plot(summary, out, title)
+    return summary

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .calibration import median_seconds
+from .costs import median_seconds
 from ..layer_slice import LayerSlice, num_layers
 from ..lm_head import lm_logits
 

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from selfspec import prompts
+
 TOOL_SYSTEM = (
     "You are a function-calling assistant. You can call these functions (JSON schema):\n{tools}\n"
     "Answer with the function call as JSON: {{\"name\": ..., \"arguments\": {{...}}}}."
@@ -118,10 +120,11 @@ def take_per_category(questions: list[Question], n: int) -> list[Question]:
     return out
 
 
-def calibration_prompts(data_dir: str | Path, n: int) -> list[str]:
+def calibration_prompts(n: int, data_dir: str | Path | None = None) -> list[str]:
     """``n`` prompts for calibration, never from a benchmark set: GSM8K train questions and
-    HumanEval function stubs alternately (``data_dir``: the shared data folder)."""
-    data_dir = Path(data_dir)
+    HumanEval function stubs alternately (``data_dir``: a folder laid out as
+    :mod:`selfspec.prompts`; default the shipped one)."""
+    data_dir = Path(data_dir) if data_dir is not None else prompts.root()
     gsm = [rec["question"] for rec in _jsonl(data_dir / "gsm8k" / "train.jsonl")[: (n + 1) // 2]]
     with gzip.open(data_dir / "HumanEval.jsonl.gz", "rt", encoding="utf-8") as f:
         code = ["Complete this Python function:\n" + json.loads(line)["prompt"] for line in f][: n // 2]
@@ -129,10 +132,11 @@ def calibration_prompts(data_dir: str | Path, n: int) -> list[str]:
     return out[:n]
 
 
-def heldout_chat_prompts(data_dir: str | Path, n: int, exclude: set[str] | None = None) -> list[str]:
+def heldout_chat_prompts(n: int, exclude: set[str] | None = None, data_dir: str | Path | None = None) -> list[str]:
     """``n`` chat / instruction prompts for calibrating chat-trained drafters: first user turns of
     ``chat_prompts.jsonl`` read from its end, skipping any text in ``exclude`` (the drafter's
     training prompts) and any benchmark prompt."""
+    data_dir = Path(data_dir) if data_dir is not None else prompts.root()
     skip = set(exclude or ()) | benchmark_prompts(data_dir)
     out = []
     for rec in reversed(_jsonl(Path(data_dir) / "chat_prompts.jsonl")):
@@ -144,10 +148,11 @@ def heldout_chat_prompts(data_dir: str | Path, n: int, exclude: set[str] | None 
     return out
 
 
-def benchmark_prompts(data_dir: str | Path, holdout: int = 100) -> set[str]:
+def benchmark_prompts(data_dir: str | Path | None = None, holdout: int = 100) -> set[str]:
     """User texts of every prompt set the benchmarks measure on (MT-Bench turns, the held-out BFCL
-    records, the prompt files in docs/prompts): self-distillation and calibration never use them."""
-    data = Path(data_dir)
+    records of ``data_dir``, and the shipped held-out files in ``selfspec/prompts/heldout``):
+    self-distillation and calibration never use them."""
+    data = Path(data_dir) if data_dir is not None else prompts.root()
     texts: set[str] = set()
     mt = data / "mt_bench_question.jsonl"
     if mt.exists():
@@ -155,6 +160,6 @@ def benchmark_prompts(data_dir: str | Path, holdout: int = 100) -> set[str]:
     for name in ("BFCL_v4_simple_python.json", "BFCL_v4_multiple.json"):
         if (data / "bfcl" / name).exists():
             texts |= {t.strip() for q in load_bfcl(data / "bfcl" / name)[:holdout] for t in q.turns}
-    for shipped in sorted((Path(__file__).resolve().parents[2] / "docs" / "prompts").glob("*.jsonl")):
+    for shipped in sorted((prompts.root() / "heldout").glob("*.jsonl")):
         texts |= {t.strip() for q in load_spec_bench(shipped) for t in q.turns}
     return texts

@@ -1,5 +1,7 @@
 """Your own chat data as distillation prompts: OpenAI ``messages`` JSON Lines, ShareGPT JSON, and
-anything ``datasets`` loads (a ``save_to_disk`` folder, parquet, JSON Lines).
+anything ``datasets`` loads (a ``save_to_disk`` folder, a folder of data files, parquet, JSON Lines,
+or a Hub dataset id through ``datasets.load_dataset``, which honours ``HF_HUB_OFFLINE`` and its
+cache).
 
 Every record becomes a :class:`Conversation`: an optional system message, the user turns in order,
 and optional tools (OpenAI / JSON-schema function list). The record's assistant turns are dropped:
@@ -16,6 +18,7 @@ record, for base models without a chat template); ``messages_field`` / ``text_fi
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,11 +32,14 @@ class DataFile:
     """One data source of the user's (YAML copy under ``distill.data_files``).
 
     Attributes:
-        path: a ``.jsonl`` / ``.json`` / ``.parquet`` file or a ``datasets`` folder.
+        path: a ``.jsonl`` / ``.json`` / ``.parquet`` file, a ``datasets`` folder (``save_to_disk``
+            or data files), or a Hub dataset id (``owner/name``), read with ``datasets.load_dataset``.
         format: ``auto``, ``messages``, ``sharegpt`` or ``text`` (see the module docstring).
         limit: most conversations taken (0: all), after a seeded shuffle.
         messages_field / text_field / tools_field / id_field: column names.
-        split: the split of a ``DatasetDict`` folder.
+        split: the split of a ``DatasetDict`` folder or a Hub dataset.
+        name: the configuration (subset) of a Hub dataset.
+        revision: the revision of a Hub dataset.
     """
 
     path: str = ""
@@ -44,6 +50,8 @@ class DataFile:
     tools_field: str = "tools"
     id_field: str = ""
     split: str = "train"
+    name: str | None = None
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -70,7 +78,11 @@ def read_records(spec: DataFile) -> list[dict]:
     """The raw records of ``spec.path`` as dicts."""
     path = Path(spec.path)
     if not path.exists():
-        raise FileNotFoundError(f"data file {spec.path!r} does not exist")
+        if not is_dataset_id(spec.path):
+            raise FileNotFoundError(f"data file {spec.path!r} does not exist (nor is it a Hub dataset id owner/name)")
+        return _hub_records(spec)
+    if path.is_dir() and not _saved_dataset(path):
+        return _hub_records(spec)  # a folder of data files: load_dataset reads it as it reads a Hub repository
     if path.is_dir():
         from datasets import DatasetDict, load_from_disk
 
@@ -99,6 +111,36 @@ def read_records(spec: DataFile) -> list[dict]:
     if not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{path}: every record must be a JSON object")
     return rows
+
+
+def is_dataset_id(text: str) -> bool:
+    """``owner/name`` (or a bare ``name``): letters, digits, ``-_.``, at most one slash."""
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?", text))
+
+
+def _saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a ``save_to_disk`` folder (a Dataset or a DatasetDict)."""
+    return (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or \
+        (path / "state.json").exists()
+
+
+def _hub_records(spec: DataFile) -> list[dict]:
+    """The records of a Hub dataset id or a folder of data files, through ``datasets.load_dataset``
+    (offline with ``HF_HUB_OFFLINE=1``: from the local cache only)."""
+    from datasets import load_dataset
+
+    try:
+        data = load_dataset(spec.path, spec.name, split=spec.split, revision=spec.revision)
+    except ValueError as err:  # an unknown split or configuration
+        raise ValueError(f"dataset {spec.path!r}: {err}") from err
+    except (OSError, ConnectionError) as err:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        why = "it is not in the local datasets cache and HF_HUB_OFFLINE is set" if offline else \
+            "the Hub could not provide it (a typo, a gated dataset without a token, or no network)"
+        raise FileNotFoundError(f"dataset {spec.path!r}: not a local file or folder, and {why} ({err})") from err
+    return list(data)
 
 
 def to_conversation(record: dict, spec: DataFile, index: int) -> Conversation:

@@ -1,11 +1,11 @@
 """Self-distillation data: the target answers prompts, drafters learn the target's own outputs.
 
-Pipeline: prompts from the shared prompt sets are rendered with the target's chat template, the
+Pipeline: prompts from the shipped prompt sets (:mod:`selfspec.prompts`) are rendered with the target's chat template, the
 target answers them with batched ``model.generate`` (greedy for most, sampled for a share), and
 the (prompt ids, response ids) pairs are stored as a ``datasets`` dataset on disk with a
 ``provenance.json`` (target fingerprint, config, counts, wall time).
 
-Sources: GSM8K train, HumanEval, BFCL (past the held-out records), the shared chat/instruction
+Sources: GSM8K train, HumanEval, BFCL (past the held-out records), the chat/instruction
 prompt set (``chat``: ``chat_prompts.jsonl``, first user turn) and tool-calling prompt set
 (``tools``: ``tool_prompts.jsonl.gz``, tools rendered into the system message the way the benchmark
 renders BFCL's). All prompts are shuffled together with a fixed seed, so every prefix of the shards
@@ -44,6 +44,7 @@ from selfspec.fingerprint import target_fingerprint
 from selfspec.measurement.workloads import benchmark_prompts, load_bfcl, tool_system_message
 
 from selfspec.checkpoint import atomic_write_text
+from selfspec.prompts import root as shipped_prompts
 
 from .conversations import DataFile, load_conversations
 from .loop import peak_memory_gib
@@ -58,7 +59,7 @@ class DistillConfig:
             mt_bench, chat, tools). A source listed with 0 takes none but still draws its seeded
             order, so the orders of the sources after it stay those of a run that took some
             (needed for ``skip`` windows); an unlisted source draws nothing.
-        data_dir: folder holding the shared prompt sets.
+        data_dir: a folder laid out as :mod:`selfspec.prompts` (``None``: the shipped prompt sets).
         holdout: the first N records of each BFCL file are never used (benchmark prompts).
         max_new_tokens: answer length cap.
         batch_size: prompts generated together (left-padded).
@@ -78,7 +79,7 @@ class DistillConfig:
     sources: dict[str, int] = field(
         default_factory=lambda: {"gsm8k": 240, "bfcl_simple": 200, "bfcl_multiple": 100, "humaneval": 80}
     )
-    data_dir: str = "../shared/data"
+    data_dir: str | None = None
     holdout: int = 100
     max_new_tokens: int = 192
     batch_size: int = 16
@@ -105,11 +106,21 @@ class DistillJob:
     def __post_init__(self) -> None:
         if self.recipe != "distill":
             raise ValueError(f"this config is for recipe {self.recipe!r}, not 'distill'")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 
 
 KNOWN_SOURCES = ("gsm8k", "bfcl_simple", "bfcl_multiple", "humaneval", "mt_bench", "chat", "tools")
+
+
+def prompt_dir(data_dir: str | None) -> Path:
+    """The folder of the named sources: ``data_dir``, or the shipped prompt sets when ``None``."""
+    if data_dir is None:
+        return shipped_prompts()
+    path = Path(data_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"distill.data_dir: no folder {data_dir!r} (leave it unset for the shipped prompt sets)")
+    return path
 
 
 def collect_prompts(cfg: DistillConfig) -> list[dict]:
@@ -118,7 +129,7 @@ def collect_prompts(cfg: DistillConfig) -> list[dict]:
     unknown = (set(cfg.sources) | set(cfg.skip)) - set(KNOWN_SOURCES) - {spec.path for spec in cfg.data_files}
     if unknown:
         raise ValueError(f"unknown distillation sources {sorted(unknown)}; known: {list(KNOWN_SOURCES)}")
-    data = Path(cfg.data_dir)
+    data = prompt_dir(cfg.data_dir)
     g = torch.Generator().manual_seed(cfg.seed)
     out: list[dict] = []
 
@@ -223,23 +234,44 @@ def _generate(model, tokenizer, encoded: list[torch.Tensor], cfg: DistillConfig,
     return [seq[width:].tolist() for seq in out]
 
 
+def _processes():
+    """accelerate's process state when launched with several processes, else ``None``."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import PartialState
+
+    return PartialState()
+
+
 def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *, target_name: str = "") -> Path:
-    """Generate the dataset into ``out_dir`` (resuming finished shards); returns the dataset path."""
+    """Generate the dataset into ``out_dir`` (resuming finished shards); returns the dataset path.
+
+    Under ``accelerate launch`` with N processes, process r answers shards r, r + N, ... (the shard
+    list is the same in every process: a pure function of the config), the main process then merges
+    them; a rerun after a kill skips every finished shard, whichever process wrote it."""
     from datasets import Dataset
 
     out = Path(out_dir)
     shards = out / "shards"
-    shards.mkdir(parents=True, exist_ok=True)
-    _check_manifest(out, model, cfg)
+    state = _processes()
+    rank, world = (state.process_index, state.num_processes) if state else (0, 1)
+    if rank == 0:
+        shards.mkdir(parents=True, exist_ok=True)
+        _check_manifest(out, model, cfg)
+    if state:
+        state.wait_for_everyone()
+        _check_manifest(out, model, cfg)
     prompts = collect_prompts(cfg)
     # Interleave sampled answers: every k-th prompt is sampled.
     for i, p in enumerate(prompts):
         p["sampled"] = bool(cfg.sampled_every) and i % cfg.sampled_every == cfg.sampled_every - 1
     started = time.time()
     groups = [prompts[i: i + cfg.shard_size] for i in range(0, len(prompts), cfg.shard_size)]
-    bar = tqdm(total=len(prompts), desc="self-distillation", unit="prompt")
+    mine = [s for s in range(len(groups)) if s % world == rank]
+    bar = tqdm(total=sum(len(groups[s]) for s in mine), desc="self-distillation", unit="prompt", disable=rank != 0)
     made, t_run = 0, time.perf_counter()
-    for s, group in enumerate(groups):
+    for s in mine:
+        group = groups[s]
         path = shards / f"{s:05d}.jsonl"
         if path.exists():
             bar.update(len(group))
@@ -257,6 +289,11 @@ def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *,
                 bar.set_postfix(tokens=made, tok_s=f"{made / (time.perf_counter() - t_run):.0f}")
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     bar.close()
+    if state:
+        state.wait_for_everyone()
+        if rank != 0:
+            state.wait_for_everyone()
+            return out / "dataset"
     records = [json.loads(line) for path in sorted(shards.glob("*.jsonl")) for line in open(path, encoding="utf-8")]
     dataset = Dataset.from_list(records)
     dataset.save_to_disk(str(out / "dataset"))
@@ -274,7 +311,11 @@ def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *,
         peak_memory_gib_this_run=round(peak_memory_gib(next(model.parameters()).device), 2),
         created=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
+    if world > 1:
+        provenance["processes"] = world
     atomic_write_text(out / "provenance.json", json.dumps(provenance, indent=1))
+    if state:
+        state.wait_for_everyone()
     return out / "dataset"
 
 
@@ -282,7 +323,8 @@ def _check_manifest(out: Path, model, cfg: DistillConfig) -> None:
     """Write (or check) ``manifest.json``: shards only ever come from one target, config and data."""
     manifest = dict(target_fingerprint=target_fingerprint(model), config=asdict(cfg))
     if cfg.data_files:
-        manifest["data_sha256"] = {spec.path: _data_digest(Path(spec.path)) for spec in cfg.data_files}
+        manifest["data_sha256"] = {spec.path: _data_digest(Path(spec.path)) if Path(spec.path).exists()
+                                   else f"dataset id {spec.path}@{spec.revision or 'main'}" for spec in cfg.data_files}
     path = out / "manifest.json"
     if path.exists():
         old = json.loads(path.read_text(encoding="utf-8"))

@@ -33,7 +33,7 @@ import json
 import math
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ from selfspec.checkpoint import CheckpointError, atomic_dir, atomic_write_text, 
 
 from .config import dump_config
 from .state import check_export_target, read_train_state, write_train_state
+from .tracking import REPORT_TO, tracker_init
 
 
 @dataclass
@@ -90,8 +91,12 @@ class RunConfig:
         out_dir: run folder (features cache, training checkpoint, logs, plots).
         seed: seeds initialisation, split and data order.
         log_every / eval_every / ckpt_every: intervals in steps.
-        wandb_mode: ``offline`` (default), ``disabled`` or ``online``.
+        wandb_mode: ``offline`` (default), ``disabled`` or ``online`` (wandb's own ``WANDB_MODE``
+            environment variable wins, as in wandb).
         wandb_project: wandb project name.
+        report_to: ``wandb`` (default), ``tensorboard`` (needs the ``tensorboard`` package) or ``none``.
+        run_name / tags / run_id: the tracked run's name, tags and id (a run id shared by several
+            stages or resumed runs makes them one tracked run).
         mixed_precision: accelerate's ``no`` / ``bf16`` / ``fp16`` (GPU).
         feature_dtype: dtype of cached hidden states (``float32`` or ``bfloat16``).
     """
@@ -105,10 +110,16 @@ class RunConfig:
     wandb_project: str = "selfspec"
     mixed_precision: str = "no"
     feature_dtype: str = "float32"
+    report_to: str = "wandb"
+    run_name: str | None = None
+    tags: list[str] = field(default_factory=list)
+    run_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.wandb_mode not in ("offline", "disabled", "online"):
             raise ValueError(f"run.wandb_mode must be offline, disabled or online, got {self.wandb_mode!r}")
+        if self.report_to not in REPORT_TO:
+            raise ValueError(f"run.report_to must be one of {REPORT_TO}, got {self.report_to!r}")
 
 
 def check_dtype(name: str, value: str) -> None:
@@ -239,7 +250,8 @@ class TrainingRun(ABC):
         cfg = self.cfg
         check_export_target(cfg.export, cfg.overwrite_export)
         checkpoint = self.out / "checkpoint"
-        self.acc = Accelerator(mixed_precision=cfg.run.mixed_precision, log_with="wandb")
+        log_with, init_kwargs = tracker_init(cfg.run, self.out)
+        self.acc = Accelerator(mixed_precision=cfg.run.mixed_precision, log_with=log_with, project_dir=str(self.out))
         if self.acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             recover_dir(checkpoint)  # finish a checkpoint write a crash interrupted
@@ -274,8 +286,8 @@ class TrainingRun(ABC):
                 atomic_write_text(self.out / f"config.resumed-{self.step}.yaml", dump_config(cfg))
         elif self.acc.is_main_process:
             atomic_write_text(self.out / "config.yaml", dump_config(cfg))
-        self.acc.init_trackers(cfg.run.wandb_project, config=asdict(cfg),
-                               init_kwargs={"wandb": {"mode": cfg.run.wandb_mode, "dir": str(self.out)}})
+        self.acc.init_trackers(cfg.run.wandb_project, config=_flat(asdict(cfg)) if log_with == "tensorboard" else asdict(cfg),
+                               init_kwargs=init_kwargs)
 
     def _lr(self, step: int) -> float:
         return lr_at(self.cfg.optim, step, self.total_steps)
@@ -409,6 +421,17 @@ class TrainingRun(ABC):
         recipe.acc.wait_for_everyone()
         recipe.cleanup()
         return summary
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """A nested config as one level of scalars (TensorBoard's hyperparameters take nothing else)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[prefix + k] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
 
 
 def peak_memory_gib(device) -> float:
