@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python scripts/generate.py $(ARGS)
+	$(BIN)/python scripts/generate.py --compare $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 $(ARGS)

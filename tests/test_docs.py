@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "data" / "distill" / "README.md",
-        ROOT / "docs" / "prompts" / "README.md"]
+        ROOT / "selfspec" / "prompts" / "heldout" / "README.md"]  # (prompts/README.md cites its sources' own paths)
 CARDS = sorted((ROOT / "checkpoints").glob("*/README.md"))
 ROUND = re.compile(r"\bround[- ]?\d+|\br\d{1,2}_", re.I)
 

@@ -1,14 +1,13 @@
-"""Speculative generation on the embedded default model, measured against plain decoding.
+"""Speculative generation: the answer streamed as each step is verified.
 
-    selfspec generate --prompt "..." [--drafter ngram|none] [--temperature 0.7] [--stream]
-
-Prints the generated text, tokens/s of plain and speculative decoding, the speedup and the mean
-accepted length, measured side by side in this process (see selfspec/measurement/measure.py).
+    selfspec generate --prompt "Write a haiku about trees." [--drafter ngram|none] [--temperature 0.7]
+    selfspec generate --prompt "..." --json                  one JSON object (text, tokens/s, MAT) for machines
+    selfspec generate --compare                              speed against plain decoding, side by side
 
 Defaults (``--drafter auto --dtype auto``): the drafter and target dtype measured fastest for the
-model (checkpoints/recommended.json). The recommended dtype is used where this hardware runs it
-natively; when it is not float32, plain float32 decoding is timed in the same alternation too, and
-the speedup is reported against both plain runs (a faster dtype is not credited to speculation).
+model (checkpoints/recommended.json). ``--compare`` times plain and speculative decoding side by side in
+this process (see selfspec/measurement/measure.py) and, when the dtype is not float32, plain float32
+decoding too (a faster dtype is not credited to speculation) with the float32 greedy identity check.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import argparse
 
 import selfspec
 from selfspec.chat import encode_chat
+from selfspec.commands.common import add_model_args, fail, load_model
 from selfspec.control import ControlConfig, Controller
 from selfspec.drafters import drafter_from_spec, recommended_setting, shipped_checkpoint
 from selfspec.machine import bf16_is_fast
@@ -34,49 +34,59 @@ def parser() -> argparse.ArgumentParser:
     """The command line of this command (the README test parses its examples with it)."""
     ap = argparse.ArgumentParser(prog="selfspec generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    ap.add_argument("--model", default=selfspec.DEFAULT_TARGET, help="alias, local folder or .gguf file")
     ap.add_argument("--drafter", default="auto",
                     help="auto (the drafter measured fastest for the model, checkpoints/recommended.json; "
                          "else a shipped head + prompt lookup, else ngram), eagle3, medusa, layerskip, ngram[:opts], a+b unions, "
                          "a checkpoint folder, none")
-    ap.add_argument("--dtype", default="auto", help="target dtype: auto (with --drafter auto: the dtype the "
-                    "recommended drafter was measured fastest in, where this hardware runs it natively; otherwise "
-                    "bfloat16 where plain decoding measures faster in it here, else float32), float32, bfloat16")
+    add_model_args(ap)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=1, help="alternating plain/speculative runs to time")
+    ap.add_argument("--compare", action="store_true",
+                    help="time plain and speculative decoding side by side (and plain float32), check greedy identity")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the streamed text")
+    ap.add_argument("--repeats", type=int, default=1, help="--compare: alternating plain/speculative runs to time")
     ap.add_argument("--system", default=None, help="optional system message")
     ap.add_argument("--fixed", action="store_true",
                     help="draft every step with every drafter and verify whole trees (no controller decisions)")
-    ap.add_argument("--stream", action="store_true", help="print the speculative run's text as each step is verified")
+    ap.add_argument("--stream", action="store_true", help="--compare: print the speculative run's text as it is verified")
     return ap
 
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
+    with fail("generate", args):
+        for name in ("max_new_tokens", "repeats"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        run(args)
 
+
+def run(args) -> None:
     drafter_spec, dtype = args.drafter, args.dtype
     if drafter_spec == "auto":  # the setting measured fastest for this model, else a shipped head + ngram
         shipped = [k for k in ("eagle3", "medusa") if shipped_checkpoint(args.model, k).is_dir()]
         setting = recommended_setting(args.model)
         drafter_spec = setting[0] if setting else (f"{shipped[0]}+ngram" if shipped else "ngram")
         dtype = demo_dtype(args.dtype, setting[1] if setting else None)
-    print(f"loading {args.model} ...", flush=True)
-    model, tokenizer = selfspec.load_target(args.model, dtype=dtype)
+    say = (lambda *a, **k: None) if args.json else print
+    say(f"loading {args.model} ...", flush=True)
+    model, tokenizer = load_model(args, dtype=dtype)
     dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
-    print(f"target dtype {dtype_name}", flush=True)
-    reference = None
-    if dtype_name != "float32":  # time plain float32 decoding too: speculation is not credited with the dtype
-        reference, _ = selfspec.load_target(args.model, dtype="float32")
-    ids = encode_chat(tokenizer, args.prompt, system=args.system)
+    say(f"target dtype {dtype_name}, drafter {drafter_spec}", flush=True)
+    ids = encode_chat(tokenizer, args.prompt, system=args.system).to(next(model.parameters()).device)
     drafter = drafter_from_spec(model, drafter_spec, args.model, tokenizer)
     if drafter is not None:  # one controller for every run here: it learns across them
         drafter = Controller(drafter, ControlConfig(fixed=args.fixed))
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                top_p=args.top_p, seed=args.seed)
+    if not args.compare:
+        return answer(model, tokenizer, ids, drafter, drafter_spec, dtype_name, gen, args.json)
+    reference = None
+    if dtype_name != "float32":  # time plain float32 decoding too: speculation is not credited with the dtype
+        reference, _ = load_model(args, dtype="float32")
     streamer = None
     if args.stream:
         from transformers import TextStreamer
@@ -121,6 +131,30 @@ def main(argv=None) -> None:
             same32 = out.sequences.shape == plain32.shape and bool((out.sequences == plain32).all())
             print(f"greedy check         in float32: {'identical' if same32 else 'DIFFERENT (a bug: please report)'} "
                   "to plain float32 greedy decoding")
+
+def answer(model, tokenizer, ids, drafter, spec: str, dtype: str, gen: dict, as_json: bool) -> None:
+    """Generate once: stream the text (or print one JSON object), then the run's speed and MAT."""
+    import json
+    import sys
+
+    chunks = selfspec.stream(model, ids, drafter=drafter, **gen)
+    tokens: list[int] = []
+    shown = ""
+    for step in chunks:
+        tokens += step
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        if not as_json:
+            print(text[len(shown):], end="", flush=True)
+        shown = text
+    stats = chunks.output.stats
+    if as_json:
+        print(json.dumps({"text": shown, "new_tokens": stats.new_tokens, "tokens_per_s": round(stats.tokens_per_s, 2),
+                          "mean_accepted_length": round(stats.mean_accepted_length, 3), "drafter": spec, "dtype": dtype}))
+        return
+    print(f"\n\n{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, mean accepted length "
+          f"{stats.mean_accepted_length:.2f} ({spec}, {dtype}); --compare times plain decoding beside it",
+          file=sys.stderr)
+
 
 def demo_dtype(requested: str, recommended: str | None) -> str:
     """The target dtype to load: ``requested`` unless it is ``auto``; then the recommendation's

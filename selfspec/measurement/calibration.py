@@ -43,7 +43,7 @@ def training_prompts(meta: dict, configs: str | os.PathLike = "configs/distill")
     ``configs`` that writes it. A shard range (``folder[6:]``) keeps the whole window out except the
     prompts answered only in its shards outside the range. Refuses a dataset it cannot trace."""
     from selfspec.training.batching import shard_selection  # noqa: I001
-    from selfspec.training.config import load_config
+    from selfspec.training.config import from_dict, load_config
     from selfspec.training.distill import DistillConfig, DistillJob, collect_prompts
 
     by_out = {}
@@ -55,7 +55,7 @@ def training_prompts(meta: dict, configs: str | os.PathLike = "configs/distill")
         folder, selected = shard_selection(spec)
         manifest = folder / "manifest.json"
         if manifest.exists():
-            cfg = DistillConfig(**json.loads(manifest.read_text(encoding="utf-8"))["config"])
+            cfg = from_dict(DistillConfig, json.loads(manifest.read_text(encoding="utf-8"))["config"])
         elif os.path.normpath(str(folder)) in by_out:
             cfg = by_out[os.path.normpath(str(folder))]
         else:
@@ -109,6 +109,11 @@ def measure_acceptance(model, tokenizer, drafter, texts: list[str], *, new_token
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (the sampled measurement), got {temperature}")
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in texts]
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit:  # prompts the model's context cannot hold with the answer are left out
+        prompts = [p for p in prompts if p.shape[1] + new_tokens <= limit]
+        if not prompts:
+            raise ValueError(f"no calibration prompt fits the model's context of {limit} tokens with {new_tokens} new tokens")
     controller = Controller(drafter, ControlConfig(fixed=True, decay=1.0, prior_weight=1e-3))
     record = {"prompts": len(prompts), "new_tokens": new_tokens,
               "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "temperature": temperature}

@@ -110,6 +110,9 @@ def split_examples(examples: list[dict], eval_fraction: float, seed: int, max_ev
     usable = [ex for ex in examples if ex["response_ids"] and ex["prompt_ids"]]
     order = torch.randperm(len(usable), generator=torch.Generator().manual_seed(seed)).tolist()
     n_eval = max(1, int(len(usable) * eval_fraction))
+    if len(usable) <= n_eval:
+        raise ValueError(f"{len(usable)} usable examples (prompt and answer) leave none to train on after holding "
+                         f"out {n_eval} for evaluation: distil more prompts")
     return [usable[i] for i in order[n_eval:]], [usable[i] for i in order[:n_eval]][:max_eval]
 
 

@@ -138,7 +138,7 @@ class PipelineConfig:
         data: your conversations (files, ``datasets`` folders or Hub dataset ids); empty: the shipped
             prompt mix (:data:`DEFAULT_SOURCES`).
         out: the run folder (default ``runs/<model>-<drafter>``, ``-smoke`` added for ``smoke``).
-        smoke: every stage end to end on a handful of prompts and steps (:func:`smoke_config`).
+        smoke: every stage end to end on a handful of prompts and steps (:func:`smoke_defaults`).
         export: serving layouts to write (``vllm``, ``sglang``, ``speculators``).
         report_to / run_name / tags / wandb_mode: the tracked run (one across stages).
         license: the card's license (default: the alias's own terms, else ``other``).
@@ -193,43 +193,53 @@ def default_out(cfg: PipelineConfig) -> str:
     return f"runs/{name or 'model'}-{cfg.drafter}" + ("-smoke" if cfg.smoke else "")
 
 
-def smoke_config(cfg: PipelineConfig) -> PipelineConfig:
-    """``cfg`` shrunk to a few prompts and steps per stage (what CI and a newcomer run first)."""
-    sources = {"chat": 8} if not cfg.distill.data_files else {}
-    files = [replace(f, limit=min(f.limit or 8, 8)) for f in cfg.distill.data_files]
-    distill = replace(cfg.distill, sources=sources, data_files=files, max_new_tokens=16, batch_size=4, shard_size=4,
-                      sampled_every=4, max_prompt_tokens=192)
+def smoke_defaults(kind: str) -> dict:
+    """The sizes of a ``--smoke`` run (a few prompts and steps per stage: what CI and a newcomer run
+    first), as config values that the file's and the command line's own values override."""
     train = {"optim": {"epochs": 1.0, "warmup_steps": 1}, "tokens_per_batch": 256, "max_len": 96,
-             "eval_fraction": 0.25, "run": {"log_every": 1, "eval_every": 2, "ckpt_every": 2}}
-    if cfg.drafter == "eagle3":
-        train |= {"max_eval_examples": 2, "ttt_steps": 2}
-    else:
-        train |= {"max_eval_examples": 2, "features": "online"}
-    return replace(cfg, distill=distill, train=_merge(train, cfg.train),
-                   calibrate=CalibrateStage(prompts=2, max_new_tokens=8, temperature=cfg.calibrate.temperature),
-                   bench=replace(cfg.bench, per_category=1, max_new_tokens=12, temperatures=[0.0]))
+             "eval_fraction": 0.25, "max_eval_examples": 2, "run": {"log_every": 1, "eval_every": 2, "ckpt_every": 2}}
+    train |= {"ttt_steps": 2} if kind == "eagle3" else {}
+    return {"distill": {"sources": {"chat": 8}, "max_new_tokens": 16, "batch_size": 4, "shard_size": 4,
+                        "max_prompt_tokens": 192},
+            "train": train, "calibrate": {"prompts": 2, "max_new_tokens": 8},
+            "bench": {"per_category": 1, "max_new_tokens": 12, "temperatures": [0.0]}}
+
+
+#: Conversations a ``--smoke`` run takes from each of your data files.
+SMOKE_LIMIT = 8
 
 
 def prepare(cfg: PipelineConfig) -> PipelineConfig:
-    """Fill in what the command line leaves implicit: ``out``, the data files, smoke sizes."""
+    """Fill in what the command line leaves implicit: ``out`` and the data files (your data replaces
+    the shipped prompt mix)."""
     if cfg.data:
         files = [DataFile(path=p) for p in cfg.data if p not in {f.path for f in cfg.distill.data_files}]
         cfg = replace(cfg, distill=replace(cfg.distill, sources={}, data_files=cfg.distill.data_files + files))
     if cfg.smoke:
-        cfg = smoke_config(cfg)
+        files = [replace(f, limit=min(f.limit or SMOKE_LIMIT, SMOKE_LIMIT)) for f in cfg.distill.data_files]
+        cfg = replace(cfg, distill=replace(cfg.distill, data_files=files))
     if not cfg.out:
         cfg = replace(cfg, out=default_out(cfg))
     return replace(cfg, data=[])  # now in distill.data_files
 
 
 def load_pipeline(path: str | None, overrides: list[str]) -> PipelineConfig:
-    """A pipeline config from a YAML file (``recipe: pipeline``) and dotted overrides."""
+    """A pipeline config from a YAML file (``recipe: pipeline``) and dotted overrides; ``smoke``
+    sizes (:func:`smoke_defaults`) fill whatever neither sets."""
     import yaml
 
     from .config import apply_overrides
 
     data = (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}) if path else {}
-    return from_dict(PipelineConfig, apply_overrides(data, overrides))
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: not a mapping of config keys")
+    data = apply_overrides(data, overrides)
+    if data.get("smoke") in (True, "true"):
+        sources = (data.get("distill") or {}).get("sources")
+        data = _merge(smoke_defaults(str(data.get("drafter", "eagle3"))), data)
+        if sources is not None:  # a mapping of sources is replaced, never merged (an empty one means none)
+            data["distill"]["sources"] = sources
+    return from_dict(PipelineConfig, data)
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -263,8 +273,9 @@ def stage_keys(cfg: PipelineConfig, identity: str) -> dict[str, str]:
     return keys
 
 
-def train_config(cfg: PipelineConfig, run: Path, model=None, examples: list[dict] | None = None):
-    """The kind's typed recipe config for this run: derived from the model and data, then ``cfg.train``."""
+def train_config(cfg: PipelineConfig, run: Path, model=None, examples: list[dict] | None = None, text_config=None):
+    """The kind's typed recipe config for this run: derived from the model (or, before it is loaded,
+    its ``text_config``) and data, then ``cfg.train``."""
     from .recipes import config_class
 
     data = {"recipe": "train_heads", "kind": cfg.drafter, "target": cfg.model, "dataset": str(run / "distill"),
@@ -274,22 +285,21 @@ def train_config(cfg: PipelineConfig, run: Path, model=None, examples: list[dict
     if model is not None:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         data["target_dtype"] = dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+    text = model.config.get_text_config(decoder=True) if model is not None else text_config
     if cfg.drafter == "eagle3":
         data["export_dtype"] = "bfloat16"
-        if model is not None and examples is not None:
-            data["eagle3"] = {"draft_vocab_size": draft_vocab_size(examples, _vocab(model))}
+        if text is not None and examples is not None:
+            data["eagle3"] = {"draft_vocab_size": draft_vocab_size(examples, text.vocab_size)}
+        elif text is not None:  # the plan, before any answer exists: the recipe's default size, within the vocabulary
+            data["eagle3"] = {"draft_vocab_size": min(text.vocab_size, 8192)}
     elif cfg.drafter == "medusa":
         data["features"] = "online"
-    elif cfg.drafter == "layerskip" and model is not None:
-        layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        data["layerskip"] = {"exit_layer": max(1, layers // 3)}
+    elif cfg.drafter == "layerskip":
         data["features"] = "online"
+        if text is not None:
+            data["layerskip"] = {"exit_layer": max(1, text.num_hidden_layers // 3)}
     data = _merge(data, cfg.train)
     return from_dict(config_class(cfg.drafter), data)
-
-
-def _vocab(model) -> int:
-    return model.config.get_text_config(decoder=True).vocab_size
 
 
 def draft_vocab_size(examples: list[dict], vocab: int, coverage: float = 0.99) -> int:
@@ -333,7 +343,7 @@ def plan(cfg: PipelineConfig, processes: int = 1, tflops: float | None = None) -
     rate = tflops * 1e12 * processes / (2 * params)
     rows = [dict(stage="distill", what=f"{prompts:,} prompts x ~{answer:.0f} new tokens", hours=distill_tokens / rate / 3600,
                  memory_gib=weights + kv)]
-    tcfg = train_config(cfg, Path(cfg.out))
+    tcfg = train_config(cfg, Path(cfg.out), text_config=text)
     tokens = int(prompts * (answer + 200))
     est = estimate(tcfg, processes, tflops, tokens=tokens)
     rows.append(dict(stage="train", what=f"~{tokens:,} tokens x {tcfg.optim.epochs} epochs, "
@@ -418,16 +428,18 @@ def run(cfg: PipelineConfig, argv: list[str] | None = None, log=print) -> dict:
 
     state = _state()
     out = Path(cfg.out)
-    if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_config(out, cfg)
-    state.wait_for_everyone()
     device = cfg.load.device or (str(state.device) if state.num_processes > 1 else None)
     model, tokenizer = selfspec.load_target(cfg.model, dtype=cfg.load.dtype, device=device, **cfg.load.kwargs())
     torch.set_grad_enabled(False)
     identity = _key(cfg.model, cfg.load.revision, target_fingerprint(model), str(next(model.parameters()).dtype))
     keys = stage_keys(cfg, identity)
     manifest = Manifest(out)
+    for stage in STAGES:  # refuse a changed run before anything is written
+        manifest.check(stage, keys[stage])
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_config(out, cfg)
+    state.wait_for_everyone()
     tracking = _tracking(out, cfg) if state.is_main_process else None
     summary: dict = {"out": str(out)}
     for stage in STAGES:
@@ -633,4 +645,4 @@ STAGE_FUNCTIONS = {"distill": _distill, "train": _train, "calibrate": _calibrate
                    "export": _export}
 
 __all__ = ["PipelineConfig", "STAGES", "draft_vocab_size", "dry_run_text", "load_pipeline", "plan", "prepare", "run",
-           "smoke_config", "train_config"]
+           "smoke_defaults", "train_config"]
