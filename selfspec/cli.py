@@ -2,9 +2,10 @@
 
     selfspec generate --prompt "Write a haiku about trees."      speculative generation, speed vs plain
     selfspec bench --questions q.jsonl --methods eagle3+ngram    side-by-side benchmark with intervals
-    selfspec distill --config configs/distill/smollm2.yaml        self-distilled training data
-    selfspec train --config configs/eagle3/smollm2.yaml           train a drafter (accelerate launch for GPUs)
-    selfspec calibrate checkpoints/<head>                         measure a head's acceptance per depth
+    selfspec train --model M --drafter eagle3                     distil, train, calibrate, benchmark, card: one command
+    selfspec distill --config configs/distill/smollm2.yaml        self-distilled training data (one stage)
+    selfspec train --config configs/eagle3/smollm2.yaml           train a drafter from a recipe config (one stage)
+    selfspec calibrate checkpoints/<head>                         measure a head's acceptance per depth (one stage)
     selfspec export checkpoints/<head> --format eagle3 --out DIR  layouts vLLM / SGLang load
 
 ``selfspec <command> --help`` shows each command's options and a working example.
@@ -19,7 +20,7 @@ COMMANDS = {
     "generate": "speculative generation on a model, with its speed against plain decoding",
     "bench": "benchmark drafters against plain decoding, side by side, with intervals",
     "distill": "self-distil training data with the target model",
-    "train": "train a drafter (EAGLE-3 head, Medusa heads, layer-skip adapter)",
+    "train": "train a drafter for a model in one command (EAGLE-3 head, Medusa heads, layer-skip adapter)",
     "calibrate": "measure a trained drafter's acceptance per depth on held-out prompts",
     "export": "export a drafter checkpoint in a layout serving engines load",
 }

@@ -183,9 +183,7 @@ def test_benchmark_smoke_with_peers_schema_and_resume(tmp_path):
     assert summary["overall"]["baseline"]["speedup"] == pytest.approx(1.0)
     assert summary["overall"]["hf-greedy"]["identical_share"] == 1.0  # greedy peers agree with us
     assert summary["overall"]["ngram:min_ngram=1"]["identical_share"] == 1.0
-    from selfspec.commands import bench as script
-
-    script.write(str(tmp_path / "out"), {"x": 1}, records, "cmd")
+    benchmark.write_report(str(tmp_path / "out"), {"x": 1}, records, "cmd")
     stored = json.loads((tmp_path / "out.json").read_text())
     assert set(stored) == {"args", "command", "provenance", "summary", "records"} and len(stored["records"]) == 15
     assert {"commit", "torch", "transformers", "machine"} <= set(stored["provenance"])

@@ -7,7 +7,11 @@ Two parts, each written to ``--out`` as JSON (and a short Markdown table):
    be token-identical to transformers' plain greedy on the same device; a sampled run (T=0.8,
    top-p 0.9) must be reproducible from its seed. This is the CPU suite's greedy-identity test,
    run where device placement bugs would show.
-2. **EAGLE-3 training on the GPU recipe.** ``configs/eagle3/llama3.1-8b.yaml`` with the real
+2. **Decoding at Llama-3.1-8B's shape** (random bf16 weights): plain tokens/s of selfspec and of
+   transformers ``generate``, the verify cost of trees of 1-64 nodes, an EAGLE-3 draft step, and
+   speculative tokens/s projected from the shipped SmolLM2 head's calibrated acceptance (a
+   projection, labelled as one: a random head accepts nothing).
+3. **EAGLE-3 training on the GPU recipe.** ``configs/eagle3/llama3.1-8b.yaml`` with the real
    target's shape (Llama-3.1-8B, from ``selfspec.training.dry_run.KNOWN_TARGETS``) but *random weights*
    (no hub here) in bfloat16, online features, synthetic token data of the recipe's lengths; a few
    optimizer steps after warm-up. Recorded: training tokens/s, peak GPU memory, and the dry run's
@@ -15,8 +19,8 @@ Two parts, each written to ``--out`` as JSON (and a short Markdown table):
    against the dry run's assumed 200). Speed does not depend on the weights' values, so random
    weights measure the real cost; the losses mean nothing.
 
-    python scripts/gpu_check.py --out runs/gpu_check           # on a GPU machine
-    python scripts/gpu_check.py --out /tmp/g --device cpu --small   # the same code path, tiny, on CPU
+    python scripts/dev/gpu_check.py --out runs/gpu_check           # on a GPU machine
+    python scripts/dev/gpu_check.py --out /tmp/g --device cpu --small   # the same code path, tiny, on CPU
 """
 
 from __future__ import annotations
@@ -240,10 +244,76 @@ def forward_costs(model, device: str, context: int = 512, sizes=(1, 4, 8, 16, 32
     return out
 
 
+def _chain_mat(rates: list[float], depth: int) -> float:
+    """Expected tokens per target pass of a greedy chain of ``depth`` drafts whose level k is accepted
+    with probability ``rates[k]`` given the levels before it (plus the bonus / recovered token)."""
+    mat, alive = 1.0, 1.0
+    for k in range(depth):
+        alive *= rates[k] if k < len(rates) else 0.0
+        mat += alive
+    return mat
+
+
+def decoding(device: str, small: bool, new_tokens: int = 128) -> dict:
+    """Plain decoding (selfspec and transformers ``generate``), the verify cost of trees of 1-64
+    nodes, an EAGLE-3 draft step, and speculative tokens/s *projected* from the shipped SmolLM2 head's
+    calibrated greedy acceptance per depth (the random head here accepts nothing): Llama-3.1-8B's shape,
+    random bf16 weights (speed does not depend on the values)."""
+    from selfspec.drafters import build_drafter
+    from selfspec.training.dry_run import KNOWN_TARGETS
+
+    fields = dict(KNOWN_TARGETS["meta-llama/Llama-3.1-8B-Instruct"])
+    if small:
+        fields |= dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=4096)
+    model = _random_target(fields, "float32" if small else "bfloat16", device)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, 256), generator=torch.Generator().manual_seed(0)).to(device)
+    out = {"target_shape": "toy" if small else "Llama-3.1-8B", "dtype": str(next(model.parameters()).dtype)}
+    selfspec.generate(model, ids, max_new_tokens=8)  # warm-up
+    _sync(device)
+    t = time.perf_counter()
+    plain = selfspec.generate(model, ids, max_new_tokens=new_tokens)
+    _sync(device)
+    out["selfspec_plain_tokens_per_s"] = round(plain.stats.new_tokens / (time.perf_counter() - t), 1)
+    model.generate(ids, max_new_tokens=8, do_sample=False)
+    _sync(device)
+    t = time.perf_counter()
+    hf = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    _sync(device)
+    out["transformers_tokens_per_s"] = round((hf.shape[1] - ids.shape[1]) / (time.perf_counter() - t), 1)
+    costs = forward_costs(model, device, context=256, sizes=(1, 2, 4, 8, 16, 32, 64))
+    out["verify_ms"] = costs
+    drafter = build_drafter(model, "eagle3", draft_vocab_size=min(32768, vocab))
+    drafter.head.to(device=device, dtype=next(model.parameters()).dtype)
+    _randomised(drafter)
+    spec = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=32, control=False)
+    _sync(device)
+    spec = selfspec.generate(model, ids, drafter=drafter, max_new_tokens=new_tokens, control=False)
+    levels = max(1, len(spec.stats.tested_per_depth))  # the tree's depth: one head call per level
+    out["eagle3_draft_ms_per_step"] = round(1e3 * spec.stats.draft_time_s / max(1, spec.stats.steps), 2)
+    out["eagle3_draft_ms_per_level"] = round(out["eagle3_draft_ms_per_step"] / levels, 2)
+    meta = json.loads((ROOT / "checkpoints" / "smollm2-135m-instruct-eagle3" / "drafter.json").read_text())
+    extra = meta["extra"]
+    if extra.get("acceptance"):
+        rates, source = [row[0] for row in extra["acceptance"]["greedy"]], "extra.acceptance.greedy (rank 0)"
+    else:
+        rates, source = extra["eval"]["eval/top1_per_step"], "extra.eval top-1 per step (teacher-forced)"
+    projections = {}
+    for depth in (1, 2, 3, 4, 5, 6):
+        nodes = min((n for n in costs if n >= depth + 1), default=max(costs))
+        seconds = (costs[nodes] + depth * out["eagle3_draft_ms_per_level"]) / 1e3
+        projections[depth] = round(_chain_mat(rates, depth) / seconds, 1)
+    out["projected_speculative_tokens_per_s"] = projections
+    out["projection_from"] = f"checkpoints/smollm2-135m-instruct-eagle3 {source}, measured on CPU"
+    print(out, flush=True)
+    return out
+
+
 def markdown(result: dict) -> str:
     """The result file as Markdown (what ``scripts/render_docs.py`` embeds in the docs)."""
     prov = result.get("provenance", {})
-    lines = [f"Command: `{result.get('command', 'python scripts/gpu_check.py --out DIR')}` on {result.get('gpu', result['device'])}, "
+    lines = [f"Command: `{result.get('command', 'python scripts/dev/gpu_check.py --out DIR')}` on {result.get('gpu', result['device'])}, "
              f"torch {prov.get('torch')}, transformers {prov.get('transformers')}, code at {result.get('code_commit', prov.get('commit'))}.", ""]
     ex = result.get("exactness")
     if ex:
@@ -254,6 +324,20 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['drafter']} | {r.get('greedy_identical', r.get('error'))} | {r.get('mean_accepted_length', '-')} | "
                          f"{r.get('sampled_reproducible', r.get('error', '-'))} |")
         lines.append("")
+    dec = result.get("decoding")
+    if dec:
+        costs = dec["verify_ms"]
+        lines += [f"Decoding at {dec['target_shape']}'s shape (random weights, {dec['dtype']}, 256-token prompt, batch 1):", "",
+                  "| measured | value |", "|---|---|",
+                  f"| plain decoding, selfspec (tokens/s) | {dec['selfspec_plain_tokens_per_s']} |",
+                  f"| plain decoding, transformers `generate` (tokens/s) | {dec['transformers_tokens_per_s']} |",
+                  f"| EAGLE-3 draft level (ms) | {dec['eagle3_draft_ms_per_level']} |", "",
+                  "| tree nodes | " + " | ".join(str(k) for k in costs) + " |", "|---" * (len(costs) + 1) + "|",
+                  "| verify ms | " + " | ".join(str(v) for v in costs.values()) + " |", "",
+                  f"Projection (not a measurement): speculative tokens/s of a greedy chain of d drafts, from {dec['projection_from']}:", "",
+                  "| d | " + " | ".join(str(k) for k in dec["projected_speculative_tokens_per_s"]) + " |",
+                  "|---" * (len(dec["projected_speculative_tokens_per_s"]) + 1) + "|",
+                  "| tokens/s | " + " | ".join(str(v) for v in dec["projected_speculative_tokens_per_s"].values()) + " |", ""]
     tr = result.get("training")
     if tr:
         est = tr.get("dry_run_estimate", {})
@@ -331,7 +415,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="toy sizes (rehearse the script on CPU)")
     ap.add_argument("--steps", type=int, default=8, help="timed optimizer steps (after 2 warm-up steps)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["exactness", "training", "medusa"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["exactness", "decoding", "training", "medusa"])
     args = ap.parse_args(argv)
     if args.markdown:
         path = Path(args.markdown)
@@ -341,7 +425,7 @@ def main(argv=None) -> int:
         ap.error("--out is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"provenance": provenance(), "command": "python scripts/gpu_check.py " + " ".join(argv or sys.argv[1:]),
+    result = {"provenance": provenance(), "command": "python scripts/dev/gpu_check.py " + " ".join(argv or sys.argv[1:]),
               "torch": torch.__version__,
               "cuda": torch.version.cuda, "device": args.device}
     if args.device.startswith("cuda"):
@@ -349,6 +433,11 @@ def main(argv=None) -> int:
     if "exactness" not in args.skip:
         result["exactness"] = exactness(args.device)
         (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    if "decoding" not in args.skip:
+        result["decoding"] = decoding(args.device, args.small)
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     if "training" not in args.skip:
         result["training"] = training(args.device, args.small, args.steps)
         (out / "gpu_check.json").write_text(json.dumps(result, indent=1))

@@ -49,11 +49,11 @@ def main(argv=None) -> None:
         if not args.model:
             raise ValueError(f"--model: {args.checkpoint} records no target; name it")
         texts = heldout_prompts(meta, args.prompts, meta["kind"])
-        torch.set_grad_enabled(False)
         model, tok = load_model(args)
         drafter = load_drafter(args.checkpoint, model)
-        record = measure_acceptance(model, tok, drafter, texts, new_tokens=args.max_new_tokens,
-                                    temperature=args.temperature, depth=args.depth, ranks=args.ranks)
+        with torch.no_grad():
+            record = measure_acceptance(model, tok, drafter, texts, new_tokens=args.max_new_tokens,
+                                        temperature=args.temperature, depth=args.depth, ranks=args.ranks)
         for name in ("greedy", "sampled"):
             print(name, json.dumps(record[name]))
         if not args.dry_run:

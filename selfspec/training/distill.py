@@ -236,11 +236,9 @@ def _generate(model, tokenizer, encoded: list[torch.Tensor], cfg: DistillConfig,
 
 def _processes():
     """accelerate's process state when launched with several processes, else ``None``."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    from accelerate import PartialState
+    from .processes import launched, process_state
 
-    return PartialState()
+    return process_state() if launched() else None
 
 
 def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *, target_name: str = "") -> Path:

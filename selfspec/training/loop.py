@@ -408,18 +408,25 @@ class TrainingRun(ABC):
             atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=1))
             self.plot()
 
-    def cleanup(self) -> None:
-        self.acc.end_training()
+    def cleanup(self, keep_processes: bool = False) -> None:
+        """Close the trackers and (unless ``keep_processes``: a pipeline goes on with the same
+        process group after training) end the process group."""
+        if keep_processes:
+            for tracker in self.acc.trackers:
+                tracker.finish()
+        else:
+            self.acc.end_training()
 
     @classmethod
-    def run(cls, cfg, *, resume: bool = False, allow_config_change: bool = False, **given) -> dict:
+    def run(cls, cfg, *, resume: bool = False, allow_config_change: bool = False, keep_processes: bool = False,
+            **given) -> dict:
         """setup -> train -> export -> cleanup; returns the export summary."""
         recipe = cls(cfg, **given)
         recipe.setup(resume=resume, allow_config_change=allow_config_change)
         recipe.train()
         summary = recipe.export()
         recipe.acc.wait_for_everyone()
-        recipe.cleanup()
+        recipe.cleanup(keep_processes)
         return summary
 
 

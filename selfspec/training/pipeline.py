@@ -429,11 +429,14 @@ def run(cfg: PipelineConfig, argv: list[str] | None = None, log=print) -> dict:
     state = _state()
     out = Path(cfg.out)
     device = cfg.load.device or (str(state.device) if state.num_processes > 1 else None)
-    model, tokenizer = selfspec.load_target(cfg.model, dtype=cfg.load.dtype, device=device, **cfg.load.kwargs())
-    torch.set_grad_enabled(False)
+    manifest = Manifest(out)
+    dtype = cfg.load.dtype
+    if dtype == "auto" and manifest.data.get("dtype"):  # "auto" is decided once per run folder (a timing probe on a CPU)
+        dtype = manifest.data["dtype"]
+    model, tokenizer = selfspec.load_target(cfg.model, dtype=dtype, device=device, **cfg.load.kwargs())
+    manifest.data["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     identity = _key(cfg.model, cfg.load.revision, target_fingerprint(model), str(next(model.parameters()).dtype))
     keys = stage_keys(cfg, identity)
-    manifest = Manifest(out)
     for stage in STAGES:  # refuse a changed run before anything is written
         manifest.check(stage, keys[stage])
     if state.is_main_process:
@@ -456,7 +459,8 @@ def run(cfg: PipelineConfig, argv: list[str] | None = None, log=print) -> dict:
         started = time.time()
         if not main_only or state.is_main_process:
             log(f"[{stage}] running")
-            result = STAGE_FUNCTIONS[stage](cfg, out, model, tokenizer, tracking) or {}
+            with torch.set_grad_enabled(stage == "train"):  # (restored after: the caller's mode is its own)
+                result = STAGE_FUNCTIONS[stage](cfg, out, model, tokenizer, tracking) or {}
             summary |= result
         state.wait_for_everyone()
         if state.is_main_process:
@@ -464,13 +468,16 @@ def run(cfg: PipelineConfig, argv: list[str] | None = None, log=print) -> dict:
     if state.is_main_process:
         summary["recommended"] = json.loads((out / "recommended.json").read_text(encoding="utf-8"))
         log(f"done: {out} (drafter in {out / 'drafter'}, card {out / 'drafter' / 'README.md'})")
+    state.wait_for_everyone()
+    if state.num_processes > 1:
+        state.destroy_process_group()
     return summary
 
 
 def _state():
-    from accelerate import PartialState
+    from .processes import process_state
 
-    return PartialState()
+    return process_state()
 
 
 def _write_config(out: Path, cfg: PipelineConfig) -> None:
@@ -521,24 +528,9 @@ def _train(cfg, out, model, tokenizer, tracking):
         tcfg.run.run_id = tracking["run_id"]
     resume = (Path(tcfg.run.out_dir) / "checkpoint").exists()
     tcfg.overwrite_export = True  # drafter/ is this run's own output (a stage rerun after a crash replaces it)
-    with _grad():
-        summary = recipes.run(tcfg, resume=resume, allow_config_change=False, model=model, tokenizer=tokenizer)
+    summary = recipes.run(tcfg, resume=resume, allow_config_change=False, keep_processes=True, model=model,
+                          tokenizer=tokenizer)
     return {"train": {k: v for k, v in (summary.get("metrics") or {}).items() if k.startswith("eval/")}}
-
-
-class _grad:
-    """Gradients on for the training stage (the pipeline runs its inference stages without)."""
-
-    def __enter__(self):
-        import torch
-
-        self._was = torch.is_grad_enabled()
-        torch.set_grad_enabled(True)
-
-    def __exit__(self, *exc):
-        import torch
-
-        torch.set_grad_enabled(self._was)
 
 
 def _calibrate(cfg, out, model, tokenizer, tracking):
