@@ -57,6 +57,10 @@ def test_smoke_runs_every_stage_and_a_rerun_skips_them(tiny, tmp_path, kind, cap
     assert (run / "pipeline.yaml").exists() and (run / "bench.json").exists()
     if kind == "eagle3":
         assert (run / "export-speculators" / "config.json").exists()
+        from selfspec.commands import export as export_command
+
+        export_command.main([str(run / "drafter"), "--format", "eagle3", "--out", str(tmp_path / "e3")])
+        assert json.loads((tmp_path / "e3" / "config.json").read_text())["draft_vocab_size"] == meta["config"]["draft_vocab_size"]
         assert meta["config"]["draft_vocab_size"] == pipeline.draft_vocab_size(
             [json.loads(line) for f in sorted((run / "distill" / "shards").glob("*.jsonl")) for line in open(f)],
             model.config.vocab_size)

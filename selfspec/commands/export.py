@@ -1,24 +1,24 @@
 """Export a trained drafter checkpoint in the layout a serving engine loads.
 
-    selfspec export checkpoints/smollm2-135m-instruct-eagle3 --format eagle3 --out exports/eagle3
-    selfspec export checkpoints/smollm2-135m-instruct-medusa --format medusa --out exports/medusa
+    selfspec export checkpoints/smollm2-135m-instruct-eagle3 --format eagle3 --out runs/export/eagle3
+    selfspec export checkpoints/smollm2-135m-instruct-medusa --format medusa --out runs/export/medusa
 
 Then serve (GPU machines with vLLM / SGLang; the commands are in the README):
-    vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "exports/eagle3", "num_speculative_tokens": 5}'
-    python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 --speculative-draft-model-path exports/eagle3
+    vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "runs/export/eagle3", "num_speculative_tokens": 5}'
+    python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 --speculative-draft-model-path runs/export/eagle3
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-
 
 import torch
 
 import selfspec
+from selfspec.checkpoint import read_checkpoint
+from selfspec.commands.common import add_model_args, fail, load_model
 from selfspec.export import FORMATS, export_drafter
+from selfspec.measurement.calibration import recorded_target
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,22 +27,24 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("checkpoint", help="a selfspec drafter checkpoint folder")
     ap.add_argument("--format", required=True, choices=FORMATS)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--model", "--target", dest="target", default=None,
-                    help="target alias, path or hub id (default: the one recorded in training)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    add_model_args(ap, default_model=None, dtype_default="float32",
+                   model_help="target alias, path or hub id (default: the one recorded in training)")
+    ap.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="dtype of the written weights")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder (never a checkpoint)")
     return ap
 
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
-    meta = json.loads(open(os.path.join(args.checkpoint, "drafter.json"), encoding="utf-8").read())
-    target = args.target or meta.get("extra", {}).get("training", {}).get("target") or selfspec.DEFAULT_TARGET
-    model, _ = selfspec.load_target(target, dtype="float32")  # (the export casts to --dtype)
-    drafter = selfspec.load_drafter(args.checkpoint, model)
-    out = export_drafter(drafter, args.out, args.format, dtype=getattr(torch, args.dtype), target_path=target,
-                         overwrite=args.overwrite)
-    print(f"wrote {args.format} layout to {out}")
+    with fail("export", args):
+        meta, _ = read_checkpoint(args.checkpoint)
+        args.model = args.model or recorded_target(meta) or selfspec.DEFAULT_TARGET
+        model, _ = load_model(args)  # (the export casts to --export-dtype)
+        drafter = selfspec.load_drafter(args.checkpoint, model)
+        out = export_drafter(drafter, args.out, args.format, dtype=getattr(torch, args.export_dtype),
+                             target_path=args.model, overwrite=args.overwrite)
+        print(f"wrote {args.format} layout to {out}")
 
 
 if __name__ == "__main__":
