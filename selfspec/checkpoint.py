@@ -97,11 +97,29 @@ def recover_dir(path: str | os.PathLike) -> None:
             _fsync_dir(path.parent)
 
 
+def check_replaceable(path: str | os.PathLike, writes: set[str], what: str) -> Path:
+    """``path`` as an absolute folder that a write of the files ``writes`` may replace whole: absent,
+    empty, or holding nothing but those files. Anything else (another checkpoint, the source, a
+    folder of unrelated files, a file) is refused with ``FileExistsError`` naming it, so a
+    replacement never deletes what it did not write. ``what`` names the argument in the message."""
+    path = Path(os.path.abspath(path))
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{what} {str(path)!r} is a file, not a folder")
+    if path.is_dir():
+        others = sorted(p.name for p in path.iterdir() if p.name not in writes)
+        if others:
+            shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+            raise FileExistsError(f"{what} {str(path)!r} holds files this write did not make ({shown}); replacing it "
+                                  "would delete them: choose a new or empty folder")
+    return path
+
+
 @contextmanager
 def atomic_dir(path: str | os.PathLike):
     """Yield a fresh staging folder; when the block ends without error it becomes ``path``
-    (crash-safe, see the module docstring). An error inside the block leaves ``path`` untouched."""
-    path = Path(path)
+    (crash-safe, see the module docstring). An error inside the block leaves ``path`` untouched.
+    ``path`` is made absolute first (``"."`` becomes the current folder's own path)."""
+    path = Path(os.path.abspath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     recover_dir(path)
     new, ready, _ = _staging(path)
@@ -145,6 +163,9 @@ def save_checkpoint(path, *, kind: str, config: dict, target: TargetIdentity, we
     """Atomically write a drafter checkpoint folder."""
     meta = dict(format=FORMAT, version=VERSION, kind=kind, config=config, target=asdict(target), extra=extra or {})
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ValueError(f"refusing to save a drafter with non-finite weights (NaN or inf) in {bad[:3]} to {str(path)!r}")
     with atomic_dir(path) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT, "kind": kind})
         atomic_write_text(tmp / CONFIG_FILE, json.dumps(meta, indent=1))

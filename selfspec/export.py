@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import atomic_dir, atomic_write_text
+from .checkpoint import atomic_dir, atomic_write_text, check_replaceable
 from .drafters.eagle3 import Eagle3Drafter
 from .drafters.medusa import MedusaDrafter
 
@@ -69,12 +69,16 @@ def export_drafter(drafter, out_dir: str | os.PathLike, fmt: str, *, dtype: torc
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; known: {list(FORMATS)}")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
+    out = Path(os.path.abspath(out_dir))
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if (out / "drafter.json").exists():
             raise ExportError(f"{out} holds a selfspec drafter checkpoint; refusing to overwrite it with an export")
         if not overwrite:
             raise ExportError(f"{out} is not empty; pass overwrite=True (--overwrite) to replace it")
+        try:  # an earlier export of ours: replaced; anything else (other files, checkpoints, the source): refused
+            check_replaceable(out, {"config.json", "model.safetensors"}, "--out")
+        except FileExistsError as err:
+            raise ExportError(str(err)) from None
     from .drafters.registry import kind_entry, resolve
 
     entry = kind_entry(drafter.kind)

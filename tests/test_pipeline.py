@@ -212,3 +212,23 @@ def test_readme_training_commands_run_in_a_fresh_copy_of_the_repository(tiny, tm
                               cwd=copy, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{command}:\n{done.stderr[-3000:]}"
     assert (copy / "runs").is_dir() and not (copy.parent / "shared").exists()
+
+
+def test_load_target_passes_from_pretrained_arguments(tiny):
+    """``device_map`` (a target spread over devices: here the one CPU), ``revision`` and an attention
+    kernel that takes no tree mask (replaced by sdpa with a warning); unknown arguments refused."""
+    import selfspec
+
+    model, _ = selfspec.load_target(str(tiny), dtype="float32", device_map="auto")
+    assert next(model.parameters()).device.type == "cpu"  # (one device here: accelerate places it all)
+    with pytest.warns(RuntimeWarning, match="cannot take a tree attention mask"):
+        model, _ = selfspec.load_target(str(tiny), dtype="float32", attn_implementation="flash_attention_2",
+                                        packed_attention=False)
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(TypeError, match="unknown arguments \\['colour'\\]"):
+        selfspec.load_target(str(tiny), colour="red")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        if not __import__("torch").cuda.is_available():
+            selfspec.load_target(str(tiny), device="cuda")
+        else:
+            raise ValueError("CUDA is not available (skipped: this machine has CUDA)")

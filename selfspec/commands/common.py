@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from selfspec.loading import DEFAULT_TARGET
 
 #: Exceptions that mean bad input, not a bug in selfspec.
-EXPECTED = (ValueError, TypeError, OSError, ImportError, KeyError)
+EXPECTED = (ValueError, TypeError, OSError, ImportError, KeyError, FloatingPointError)
 
 
 def add_model_args(ap: argparse.ArgumentParser, *, default_model: str | None = DEFAULT_TARGET,

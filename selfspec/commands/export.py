@@ -27,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("checkpoint", help="a selfspec drafter checkpoint folder")
     ap.add_argument("--format", required=True, choices=FORMATS)
     ap.add_argument("--out", required=True)
-    add_model_args(ap, default_model=None, dtype_default="float32",
+    add_model_args(ap, default_model=None,
                    model_help="target alias, path or hub id (default: the one recorded in training)")
     ap.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="dtype of the written weights")

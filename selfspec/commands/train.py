@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true", help="print the plan (time, memory, launch line), run nothing")
     ap.add_argument("--processes", type=int, default=1, help="processes (GPUs) for --dry-run's estimate and command")
     ap.add_argument("--tflops", type=float, default=None,
-                    help="assumed sustained TFLOP/s per process for --dry-run (default 200 on a GPU, 0.05 on a CPU)")
+                    help="assumed sustained TFLOP/s per process for --dry-run (default 200 on a GPU, 0.1 on a CPU)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 or train.optim.epochs=2")
     return ap
 

@@ -71,8 +71,13 @@ class OptimConfig:
     grad_accum: int = 1
 
     def __post_init__(self) -> None:
-        if self.grad_accum < 1:
-            raise ValueError(f"optim.grad_accum must be >= 1, got {self.grad_accum}")
+        at_least("optim.grad_accum", self.grad_accum, 1)
+        at_least("optim.warmup_steps", self.warmup_steps, 0)
+        at_least("optim.batch_size", self.batch_size, 0)
+        at_least("optim.weight_decay", self.weight_decay, 0)
+        at_least("optim.grad_clip", self.grad_clip, 0)
+        positive("optim.lr", self.lr)
+        positive("optim.epochs", self.epochs)
 
 
 def lr_at(o: OptimConfig, step: int, total_steps: int) -> float:
@@ -120,6 +125,31 @@ class RunConfig:
             raise ValueError(f"run.wandb_mode must be offline, disabled or online, got {self.wandb_mode!r}")
         if self.report_to not in REPORT_TO:
             raise ValueError(f"run.report_to must be one of {REPORT_TO}, got {self.report_to!r}")
+        for name in ("log_every", "eval_every", "ckpt_every"):
+            at_least(f"run.{name}", getattr(self, name), 1)
+
+
+def at_least(key: str, value, low) -> None:
+    """``ValueError`` naming the dotted config ``key`` unless ``value >= low`` (NaN fails)."""
+    if not value >= low:
+        raise ValueError(f"{key} must be >= {low}, got {value}")
+
+
+def positive(key: str, value) -> None:
+    """``ValueError`` naming ``key`` unless ``value`` is a finite number above 0."""
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{key} must be a finite number > 0, got {value}")
+
+
+def check_example_limits(cfg) -> None:
+    """The example-shape keys every recipe config has: ``max_len >= 2``, ``tokens_per_batch >= 1``,
+    ``0 <= eval_fraction < 1``, ``max_eval_examples >= 1`` (or unset)."""
+    at_least("max_len", cfg.max_len, 2)
+    at_least("tokens_per_batch", cfg.tokens_per_batch, 1)
+    if not 0 <= cfg.eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
+    if cfg.max_eval_examples is not None:
+        at_least("max_eval_examples", cfg.max_eval_examples, 1)
 
 
 def check_dtype(name: str, value: str) -> None:
@@ -252,8 +282,7 @@ class TrainingRun(ABC):
         checkpoint = self.out / "checkpoint"
         log_with, init_kwargs = tracker_init(cfg.run, self.out)
         self.acc = Accelerator(mixed_precision=cfg.run.mixed_precision, log_with=log_with, project_dir=str(self.out))
-        if self.acc.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
+        if self.acc.is_main_process and self.out.is_dir():
             recover_dir(checkpoint)  # finish a checkpoint write a crash interrupted
         self.acc.wait_for_everyone()
         if resume and not checkpoint.exists():
@@ -261,6 +290,8 @@ class TrainingRun(ABC):
         if not resume and checkpoint.exists():
             raise FileExistsError(f"{checkpoint} holds an earlier run: pass --resume to continue it, or set "
                                   "run.out_dir to a new folder (or delete it) to start over")
+        if self.acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
         changed = self._config_changes() if resume else []
         if changed and not allow_config_change:
             raise ValueError(f"--resume with a config that differs from {self.out / 'config.yaml'} in "
@@ -325,7 +356,11 @@ class TrainingRun(ABC):
         values = torch.tensor([row_sum[k] for k in names], dtype=torch.float64, device=self.acc.device)
         if world > 1:
             values = self.acc.reduce(values, reduction="sum")
-        return dict(zip(names, values.tolist()))
+        row = dict(zip(names, values.tolist()))
+        if not math.isfinite(row["loss"]):  # every process sees the reduced loss: all stop here, nothing is saved
+            raise FloatingPointError(f"training went non-finite at step {self.step + 1} (loss {row['loss']}): "
+                                     "nothing from this step on is saved; lower optim.lr or check the data")
+        return row
 
     def train(self, stop_at: int | None = None) -> None:
         """Train to the end (or up to step ``stop_at``, as if the run were interrupted there)."""

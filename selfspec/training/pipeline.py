@@ -319,16 +319,31 @@ def draft_vocab_size(examples: list[dict], vocab: int, coverage: float = 0.99) -
     return min(size, vocab)
 
 
+#: How much slower one sequence decodes than a batch of them, per token, in the plan (a decode step
+#: reads every weight for one row): calibration and the benchmark run at batch 1.
+ONE_ROW_SLOWDOWN = 8
+
+
+def device_memory_gib(cfg: PipelineConfig) -> float | None:
+    """Memory of the accelerator the run would use, or ``None`` on a CPU."""
+    import torch
+
+    device = torch.device(cfg.load.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(device.index or 0).total_memory / 1024 ** 3
+
+
 def plan(cfg: PipelineConfig, processes: int = 1, tflops: float | None = None) -> list[dict]:
     """Each stage with its estimated time and memory (planning numbers, not measurements): tokens
     generated or trained on times 2 (inference) or 6 (training) FLOPs per parameter, at ``tflops``
-    per process (default 200 on a GPU, 0.05 on a CPU)."""
+    per process (default 200 on a GPU, 0.1 on a CPU; docs/training.md compares plans with measured runs)."""
     import torch
 
     from .dry_run import estimate, target_config
 
     gpu = torch.cuda.is_available() if cfg.load.device is None else cfg.load.device.startswith("cuda")
-    tflops = tflops or (200.0 if gpu else 0.05)
+    tflops = tflops or (200.0 if gpu else 0.1)
     config = target_config(cfg.model)
     text = config.get_text_config(decoder=True)
     params = _param_count(config)
@@ -349,12 +364,13 @@ def plan(cfg: PipelineConfig, processes: int = 1, tflops: float | None = None) -
                      f"{est['trainable_params'] / 1e6:.1f}M trainable", hours=est.get("hours", 0.0),
                      memory_gib=est["memory_per_process"]["total_gib"]))
     calib = 2 * cfg.calibrate.prompts * cfg.calibrate.max_new_tokens
-    rows.append(dict(stage="calibrate", what=f"{cfg.calibrate.prompts} prompts x 2 temperatures", hours=calib / rate * 8 / 3600,
+    rows.append(dict(stage="calibrate", what=f"{cfg.calibrate.prompts} prompts x 2 temperatures",
+                     hours=calib / rate * ONE_ROW_SLOWDOWN / 3600,
                      memory_gib=weights))
     questions = 8 * cfg.bench.per_category * len(cfg.bench.questions)
     bench = questions * cfg.bench.max_new_tokens * 5 * len(cfg.bench.temperatures)
     rows.append(dict(stage="bench", what=f"~{questions} questions x 5 methods x {len(cfg.bench.temperatures)} temperature(s)",
-                     hours=bench / rate * 8 / 3600, memory_gib=weights))
+                     hours=bench / rate * ONE_ROW_SLOWDOWN / 3600, memory_gib=weights))
     rows.append(dict(stage="card", what="model card, recommended.json", hours=0.0, memory_gib=0.0))
     if cfg.export:
         rows.append(dict(stage="export", what=", ".join(cfg.export), hours=0.0, memory_gib=0.0))
@@ -386,8 +402,16 @@ def dry_run_text(cfg: PipelineConfig, argv: list[str], processes: int, tflops: f
     lines = [f"plan: {cfg.drafter} head for {cfg.model} -> {cfg.out}" + (" (smoke)" if cfg.smoke else ""), "",
              "| stage | what | est. hours | est. memory GiB per process |", "|---|---|---|---|"]
     lines += [f"| {r['stage']} | {r['what']} | {r['hours']:.2f} | {r['memory_gib']:.1f} |" for r in rows]
-    shard = ("device_map (target sharded across this machine's devices, single process)" if cfg.load.device_map
-             else "none (the target fits one device per process)")
+    need, have = max(r["memory_gib"] for r in rows), device_memory_gib(cfg)
+    if cfg.load.device_map:
+        shard = f"device_map={cfg.load.device_map} (the target spread over this machine's devices, one process)"
+    elif have is None:
+        shard = f"none (CPU: {need:.1f} GiB of memory at the largest stage)"
+    elif need <= 0.9 * have:
+        shard = f"none ({need:.1f} GiB at the largest stage fits one {have:.0f} GiB device per process)"
+    else:
+        shard = (f"needed: {need:.1f} GiB at the largest stage exceeds one {have:.0f} GiB device; rerun with "
+                 "--device-map auto (one process) or more processes for training")
     lines += ["", f"sharding of the target: {shard}",
               "estimates from parameter counts and an assumed throughput, not measurements",
               "command: " + launch_line(argv, processes)]
@@ -437,7 +461,8 @@ def run(cfg: PipelineConfig, argv: list[str] | None = None, log=print) -> dict:
     identity = _key(cfg.model, cfg.load.revision, target_fingerprint(model), str(next(model.parameters()).dtype))
     keys = stage_keys(cfg, identity)
     for stage in STAGES:  # refuse a changed run before anything is written
-        manifest.check(stage, keys[stage])
+        if stage != "export" or cfg.export:
+            manifest.check(stage, keys[stage])
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         _write_config(out, cfg)

@@ -33,7 +33,7 @@ from selfspec.lm_head import lm_logits
 
 from ..batching import batch_at, length_buckets, load_distilled
 from ..features import IGNORE, FeatureCache, batch_features, build_features, label_counts
-from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype
+from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype, check_example_limits, positive
 from ..losses import head_loss, rank_hits
 
 
@@ -102,6 +102,8 @@ class HeadsTrainConfig:
             if self.layerskip.layers is not None:
                 raise ValueError("training supports exit layers (layerskip.exit_layer), not layer subsets")
         check_dtype("target_dtype", self.target_dtype)
+        check_example_limits(self)
+        positive("head_decay", self.head_decay)
         if self.features not in ("cached", "online"):
             raise ValueError(f"features must be 'cached' or 'online', got {self.features!r}")
         if self.features == "online" and self.tokens_per_batch < self.max_len:

@@ -34,7 +34,7 @@ from selfspec.lm_head import lm_logits
 from selfspec.taps import capture_taps
 
 from ..batching import batch_at, collate, held_out_dataset, length_buckets, load_distilled, split_examples
-from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype
+from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype, check_example_limits, positive
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -121,6 +121,8 @@ class Eagle3TrainConfig:
             raise ValueError(f"init must be 'exit' or 'random', got {self.init!r}")
         check_dtype("target_dtype", self.target_dtype)
         check_dtype("export_dtype", self.export_dtype)
+        check_example_limits(self)
+        positive("step_decay", self.step_decay)
 
 
 def _token_counts(examples: list[dict], vocab: int) -> torch.Tensor:
