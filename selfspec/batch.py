@@ -568,6 +568,8 @@ def split_prompts(input_ids, attention_mask=None) -> list[torch.Tensor]:
     mask = torch.as_tensor(attention_mask)
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}")
+    if mask.dtype.is_floating_point or not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token), as transformers takes it")
     out = []
     for b in range(ids.shape[0]):
         where = mask[b].nonzero().flatten()

@@ -104,6 +104,8 @@ def from_generation_config(gc) -> tuple[SamplingConfig, list]:
         processors.append(TemperatureLogitsWarper(gc.temperature))
     if gc.top_k:
         processors.append(TopKLogitsWarper(gc.top_k))
+    if gc.top_p is not None and not 0 < gc.top_p <= 1.0:
+        raise ValueError(f"generation_config.top_p must be in (0, 1], got {gc.top_p}")
     if gc.top_p is not None and gc.top_p < 1.0:
         processors.append(TopPLogitsWarper(gc.top_p))
     if getattr(gc, "min_p", None):

@@ -77,7 +77,9 @@ class Request:
 
     def __init__(self, ids: torch.Tensor, controller: Controller | None, settings: Settings, streamer=None):
         self.ids, self.controller, self.s, self.streamer = ids, controller, settings, streamer
-        self.tokens = torch.empty(ids.shape[0] + settings.max_new_tokens, dtype=torch.long)
+        room = settings.max_new_tokens if not settings.context_limit else \
+            min(settings.max_new_tokens, max(0, settings.context_limit - ids.shape[0]))
+        self.tokens = torch.empty(ids.shape[0] + room, dtype=torch.long)  # (sized by what can ever be written)
         self.tokens[: ids.shape[0]] = ids
         self.length = ids.shape[0]
         self.stats = SpecStats()
@@ -291,6 +293,18 @@ def stopping_list(criteria, stop_strings, tokenizer):
         return None
     from transformers import StoppingCriteriaList
 
+    if criteria is not None:
+        if callable(criteria) and not isinstance(criteria, (list, tuple)):
+            criteria = [criteria]
+        if isinstance(criteria, (str, bytes)) or not isinstance(criteria, (list, tuple)):
+            raise ValueError(f"stopping_criteria must be a list of transformers StoppingCriteria, got "
+                             f"{type(criteria).__name__}")
+        for c in criteria:
+            if not callable(c):
+                raise ValueError(f"stopping_criteria entries must be callables (StoppingCriteria), got {type(c).__name__}")
+    if stop_strings is not None and not isinstance(stop_strings, str) and \
+            not all(isinstance(x, str) for x in stop_strings):
+        raise ValueError("stop_strings must be a string or a list of strings")
     out = StoppingCriteriaList(list(criteria) if criteria is not None else [])
     if stop_strings:
         if tokenizer is None:
@@ -336,9 +350,33 @@ def model_lock(model) -> threading.RLock:
         return lock
 
 
+def as_token_ids(input_ids, name: str = "input_ids") -> torch.Tensor:
+    """``input_ids`` (a tensor, a numpy array, or a list of ints) as an integer tensor, or a
+    ``TypeError`` / ``ValueError`` naming ``name``: text, ``None``, floats and ragged lists are refused
+    before torch sees them."""
+    if input_ids is None:
+        raise TypeError(f"{name} is None: give token ids (tokenizer(text, return_tensors='pt').input_ids)")
+    if isinstance(input_ids, (str, bytes)) or (isinstance(input_ids, (list, tuple)) and input_ids
+                                               and isinstance(input_ids[0], (str, bytes))):
+        raise TypeError(f"{name} must be token ids, not text: tokenize it first "
+                        "(tokenizer(text, return_tensors='pt').input_ids, or selfspec.chat.encode_chat)")
+    if torch.is_tensor(input_ids):
+        if input_ids.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device (no values): give real token ids")
+        ids = input_ids
+    else:
+        try:
+            ids = torch.as_tensor(input_ids)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"{name} must be a rectangular array of integer token ids: {err}") from None
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
+    return ids
+
+
 def check_prompt(model, input_ids) -> torch.Tensor:
     """Validate and return one prompt as a CPU ``[L]`` LongTensor."""
-    ids = torch.as_tensor(input_ids)
+    ids = as_token_ids(input_ids)
     if ids.dim() == 2:
         if ids.shape[0] != 1:
             raise ValueError(f"expected one prompt, got a batch of {ids.shape[0]}")
@@ -375,8 +413,19 @@ def make_generator(seed, generator, device) -> torch.Generator:
     if seed is None:
         gen.seed()
     else:
-        gen.manual_seed(int(seed))
+        gen.manual_seed(check_seed(seed))
     return gen
+
+
+def check_seed(seed) -> int:
+    """``seed`` as an int in ``[0, 2**63)`` (numpy integers too), else an error naming it."""
+    import numbers
+
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})")
+    if not 0 <= int(seed) < 2 ** 63:
+        raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
+    return int(seed)
 
 
 def eos_ids(model, eos_token_id) -> set[int]:
@@ -385,9 +434,24 @@ def eos_ids(model, eos_token_id) -> set[int]:
         eos_token_id = getattr(gen_cfg, "eos_token_id", None)
     if eos_token_id is None:
         return set()
-    if isinstance(eos_token_id, int):
-        return {eos_token_id}
-    return {int(t) for t in eos_token_id}
+    import numbers
+
+    values = [eos_token_id] if isinstance(eos_token_id, numbers.Number) or torch.is_tensor(eos_token_id) and \
+        eos_token_id.dim() == 0 else eos_token_id
+    try:
+        values = list(values)
+    except TypeError:
+        raise TypeError(f"eos_token_id must be a token id or a list of them, got {eos_token_id!r}") from None
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    out = set()
+    for t in values:
+        t = t.item() if torch.is_tensor(t) else t
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"eos_token_id must hold integer token ids, got {t!r} ({type(t).__name__})")
+        if not 0 <= int(t) < vocab:
+            raise ValueError(f"eos_token_id {t} is outside the vocabulary [0, {vocab})")
+        out.add(int(t))
+    return out
 
 
 def sync(device) -> None:

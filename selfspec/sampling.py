@@ -63,7 +63,9 @@ def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     x = logits.to(prob_dtype(logits))
     if cfg.greedy:
         return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
-    x = x / cfg.temperature
+    # shifted first, and divided by at least the dtype's smallest normal number, so any positive temperature
+    # gives finite logits (below that, every gap overflows to -inf either way: the same law)
+    x = (x - x.amax(-1, keepdim=True)) / max(cfg.temperature, torch.finfo(x.dtype).tiny)
     vocab = x.shape[-1]
     if 0 < cfg.top_k < vocab:
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -135,6 +136,8 @@ def drafter_from_spec(model, spec: str, target: str | None = None, tokenizer=Non
             )
         return load_drafter(path, model)
     kind, _, opts = spec.partition(":")
+    if kind not in kinds() and (os.sep in spec or spec.startswith(".")):
+        raise FileNotFoundError(f"drafter {spec!r}: no checkpoint folder there (and not a drafter kind: {kinds()})")
     options = _parse_options(opts)
     if kind_entry(kind).needs_tokenizer:
         options["tokenizer"] = tokenizer

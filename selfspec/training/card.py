@@ -33,11 +33,14 @@ def recommended_entry(cfg, out: Path, bench: dict, dtype: str) -> dict:
     no setting reaches a mean accepted length of :data:`NO_SPEEDUP_MAT`."""
     head = str(out / "drafter")
     specs = {cfg.drafter: head, "ngram": "ngram", f"{cfg.drafter}+ngram": f"{head}+ngram"}
-    scores = {}
+    pays = {}
     for name in specs:
         rows = [file[name] for file in bench.values() if name in file]
         if rows and min(r["mean_accepted_length"] for r in rows) >= NO_SPEEDUP_MAT:
-            scores[name] = _geomean([r["speedup"] for r in rows])
+            pays[name] = _geomean([r["speedup"] for r in rows])
+    # a union is a candidate only when the head itself drafts accepted tokens: otherwise it is prompt
+    # lookup plus the head's cost
+    scores = {n: v for n, v in pays.items() if "+" not in n or cfg.drafter in pays}
     evidence = [str(out / "drafter" / "results" / f"{name}.json") for name in bench]
     if not scores or max(scores.values()) <= 1.0:
         return {"drafter": "none", "dtype": dtype, "evidence": evidence,
@@ -70,8 +73,9 @@ def card_text(cfg, out: Path, bench: dict) -> str:
                          tags=["selfspec", "speculative-decoding", kind, *cfg.tags], pipeline_tag="text-generation")
     ev = extra.get("eval") or {}
     what = KIND_NAMES.get(kind, kind)
+    article = "An" if what[0].upper() in "AEIOU" else "A"
     lines = [f"# {what} for {cfg.model}", "",
-             f"A {what} (selfspec drafter kind `{kind}`) trained by `selfspec train --model {cfg.model} --drafter {kind}` on the "
+             f"{article} {what} (selfspec drafter kind `{kind}`) trained by `selfspec train --model {cfg.model} --drafter {kind}` on the "
              "target's own answers (self-distillation), for exact speculative decoding: the output distribution is "
              "the target's. Weight fingerprint of the target: "
              f"`{meta['target']['fingerprint']}` (`selfspec.load_drafter` refuses other weights).", ""]

@@ -114,9 +114,12 @@ def read_records(spec: DataFile) -> list[dict]:
 
 
 def is_dataset_id(text: str) -> bool:
-    """``owner/name`` (or a bare ``name``): letters, digits, ``-_.``, at most one slash."""
+    """``owner/name`` (or a bare ``name``): letters, digits, ``-_.``, at most one slash, and not a
+    data file's name (``.jsonl``, ``.json``, ``.parquet``, ``.csv``, ``.txt``, ``.gz``)."""
     import re
 
+    if text.lower().endswith((".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz")):
+        return False
     return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?", text))
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -91,6 +92,32 @@ class DistillConfig:
     max_prompt_tokens: int = 1024
     skip: dict[str, int] = field(default_factory=dict)
     data_files: list[DataFile] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for key in ("max_new_tokens", "batch_size", "shard_size", "max_prompt_tokens"):
+            value = getattr(self, key)
+            if not value >= 1:
+                raise ValueError(f"distill.{key} must be >= 1, got {value}")
+        for key in ("sampled_every", "holdout", "seed"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"distill.{key} must be >= 0, got {getattr(self, key)}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"distill.temperature must be a finite number > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"distill.top_p must be in (0, 1], got {self.top_p}")
+        bad = {k: v for k, v in {**self.sources, **self.skip}.items() if not (isinstance(v, int) and v >= 0)}
+        if bad:
+            raise ValueError(f"distill.sources / distill.skip take counts >= 0, got {bad}")
+
+    def check_files(self) -> None:
+        """Refuse, before anything is written, a data folder or data file that is not there (Hub
+        dataset ids are checked when read)."""
+        from .conversations import is_dataset_id
+
+        prompt_dir(self.data_dir)
+        for spec in self.data_files:
+            if not Path(spec.path).exists() and not is_dataset_id(spec.path):
+                raise FileNotFoundError(f"distill.data_files: {spec.path!r} does not exist (nor is it a Hub dataset id)")
 
 
 @dataclass
@@ -249,6 +276,7 @@ def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *,
     them; a rerun after a kill skips every finished shard, whichever process wrote it."""
     from datasets import Dataset
 
+    cfg.check_files()
     out = Path(out_dir)
     shards = out / "shards"
     state = _processes()

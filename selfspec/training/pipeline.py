@@ -219,6 +219,7 @@ def prepare(cfg: PipelineConfig) -> PipelineConfig:
         cfg = replace(cfg, distill=replace(cfg.distill, data_files=files))
     if not cfg.out:
         cfg = replace(cfg, out=default_out(cfg))
+    cfg.distill.check_files()
     return replace(cfg, data=[])  # now in distill.data_files
 
 
@@ -468,6 +469,9 @@ def run(cfg: PipelineConfig, argv: list[str] | None = None, log=print) -> dict:
         _write_config(out, cfg)
     state.wait_for_everyone()
     tracking = _tracking(out, cfg) if state.is_main_process else None
+    if tracking and cfg.report_to != "none":
+        where = out / ("wandb" if cfg.report_to == "wandb" else "selfspec")
+        log(f"tracking: {cfg.report_to} run {tracking['name']!r} (id {tracking['run_id']}) in {where}")
     summary: dict = {"out": str(out)}
     for stage in STAGES:
         if stage == "export" and not cfg.export:

@@ -27,7 +27,9 @@ def tracker_init(run, out: Path) -> tuple[str | None, dict]:
     if run.report_to == "tensorboard":
         _need_tensorboard()
         return "tensorboard", {}
-    kwargs = {"mode": _wandb_mode(run.wandb_mode), "dir": str(out)}
+    import wandb
+
+    kwargs = {"mode": _wandb_mode(run.wandb_mode), "dir": str(out), "settings": wandb.Settings(silent=True)}
     if run.run_name:
         kwargs["name"] = run.run_name
     if run.tags:
@@ -59,7 +61,8 @@ class Tracker:
 
             self._wandb = wandb
             self._run = wandb.init(project=project, name=name, tags=tags or None, id=run_id, resume="allow",
-                                   dir=str(out), mode=_wandb_mode(wandb_mode), config=config, reinit="finish_previous")
+                                   dir=str(out), mode=_wandb_mode(wandb_mode), config=config, reinit="finish_previous",
+                                   settings=wandb.Settings(silent=True))
         elif report_to == "tensorboard":
             _need_tensorboard()
             from torch.utils.tensorboard import SummaryWriter
