@@ -61,6 +61,10 @@ def test_smoke_runs_every_stage_and_a_rerun_skips_them(tiny, tmp_path, kind, cap
 
         export_command.main([str(run / "drafter"), "--format", "eagle3", "--out", str(tmp_path / "e3")])
         assert json.loads((tmp_path / "e3" / "config.json").read_text())["draft_vocab_size"] == meta["config"]["draft_vocab_size"]
+        # the command reads the target's config only; the pipeline exported with the target loaded: same bytes
+        export_command.main([str(run / "drafter"), "--format", "speculators", "--out", str(tmp_path / "sp")])
+        for name in ("model.safetensors", "config.json"):
+            assert (tmp_path / "sp" / name).read_bytes() == (run / "export-speculators" / name).read_bytes()
         assert meta["config"]["draft_vocab_size"] == pipeline.draft_vocab_size(
             [json.loads(line) for f in sorted((run / "distill" / "shards").glob("*.jsonl")) for line in open(f)],
             model.config.vocab_size)

@@ -35,13 +35,41 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def skeleton_drafter(checkpoint: str, target: str, meta: dict, weights: dict):
+    """The EAGLE-3 drafter of ``checkpoint`` on a target built from its ``config.json`` alone (meta
+    tensors, no weights read): the serving layouts need none of the target's tensors. The
+    checkpoint's target is checked by shape (architecture, sizes, vocabulary); its weight fingerprint
+    needs the weights, so it is not checked here."""
+    from dataclasses import asdict
+
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.checkpoint import CheckpointError, TargetIdentity, adapter_state
+    from selfspec.drafters.eagle3 import Eagle3Config, build_eagle3
+    from selfspec.training.dry_run import target_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(target_config(target))
+    try:
+        TargetIdentity(**meta["target"]).signature.check(model, what=f"checkpoint {checkpoint!r}")
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(str(err)) from None
+    drafter = build_eagle3(model, **asdict(Eagle3Config(**meta["config"])))
+    head = drafter.head.to_empty(device="cpu")
+    head.load_state_dict(adapter_state(weights, "eagle3.", head.state_dict()))
+    return drafter
+
+
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     with fail("export", args):
-        meta, _ = read_checkpoint(args.checkpoint)
+        meta, weights = read_checkpoint(args.checkpoint)
         args.model = args.model or recorded_target(meta) or selfspec.DEFAULT_TARGET
-        model, _ = load_model(args)  # (the export casts to --export-dtype)
-        drafter = selfspec.load_drafter(args.checkpoint, model)
+        if meta.get("kind") == "eagle3" and args.format in ("eagle3", "speculators"):
+            drafter = skeleton_drafter(args.checkpoint, args.model, meta, weights)
+        else:  # Medusa's layout repeats the target's LM head: the target is loaded
+            model, _ = load_model(args)
+            drafter = selfspec.load_drafter(args.checkpoint, model)
         out = export_drafter(drafter, args.out, args.format, dtype=getattr(torch, args.export_dtype),
                              target_path=args.model, overwrite=args.overwrite)
         print(f"wrote {args.format} layout to {out}")
