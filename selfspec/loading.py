@@ -280,9 +280,15 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     if allow_download is False or offline:
         kwargs["local_files_only"] = True
+    from safetensors import SafetensorError
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs, **tok_kwargs)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs, **model_kwargs)
+    except SafetensorError as err:  # a truncated or corrupt weights file: say which model, and where
+        local = "the local folder" if os.path.isdir(where) else "the Hugging Face cache"
+        raise OSError(f"could not load target {name_or_path!r}: a weights file in {local} {where!r} is corrupt "
+                      f"or truncated ({err})") from err
     except OSError as err:
         if os.path.isdir(where):
             raise OSError(f"could not load target {name_or_path!r} from the local folder {where!r}: {err}") from err

@@ -170,6 +170,14 @@ def test_load_target_names_missing_and_corrupt_files(folder, tmp_path):
     with pytest.raises(ValueError, match="not a .gguf"):
         (tmp_path / "weights.bin").write_bytes(b"x")
         selfspec.load_target(str(tmp_path / "weights.bin"))
+    import shutil
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(folder, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(OSError, match="local folder .*truncated.*corrupt or truncated"):
+        selfspec.load_target(str(truncated))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
@@ -334,3 +342,20 @@ def test_commands_print_one_line_naming_the_culprit_and_write_nothing(command, a
     assert len(err) == 1 and err[0].startswith(f"selfspec {command}: error:") and culprit in err[0], err
     assert sorted(p.name for p in work.iterdir()) == before
     assert not (tmp_path / "out").exists()
+
+
+POOL = [c for c in GENERATE if c[0] in ("prompt-none", "prompt-text", "prompt-float", "prompt-meta", "max-new-0",
+                                        "temp-neg", "seed-str", "eos-str", "eos-neg", "stopping-str", "topp-two")]
+
+
+@pytest.mark.parametrize("case, kwargs, error, text", POOL, ids=[c[0] for c in POOL])
+def test_pool_submit_refuses_the_same_and_the_pool_keeps_working(model, case, kwargs, error, text):
+    from selfspec.batch import Pool
+
+    pool = Pool(model)
+    good = pool.submit(IDS, max_new_tokens=3)
+    kwargs = {"input_ids": IDS, "max_new_tokens": 4} | kwargs
+    with pytest.raises(error, match=text):
+        pool.submit(kwargs.pop("input_ids"), **kwargs)
+    pool.run()
+    assert torch.equal(good.output.sequences, selfspec.generate(model, IDS, max_new_tokens=3).sequences)
