@@ -24,6 +24,7 @@ demo: $(STAMP)
 	$(BIN)/python scripts/generate.py --compare $(ARGS)
 
 test: $(STAMP)
+	$(BIN)/python -m ruff check selfspec scripts tests examples
 	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 $(ARGS)
 
 clean:

@@ -236,3 +236,18 @@ def test_load_target_passes_from_pretrained_arguments(tiny):
             selfspec.load_target(str(tiny), device="cuda")
         else:
             raise ValueError("CUDA is not available (skipped: this machine has CUDA)")
+
+
+def test_a_wheel_carries_the_prompt_sets(tmp_path):
+    """What the training path reads ships inside the package (an installed wheel needs no checkout)."""
+    import zipfile
+
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                           str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = set(zipfile.ZipFile(next(tmp_path.glob("*.whl"))).namelist())
+    from selfspec import prompts
+
+    shipped = {f"selfspec/prompts/{p.relative_to(prompts.root())}" for p in prompts.root().rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts}
+    assert shipped and shipped <= names, sorted(shipped - names)[:5]

@@ -101,7 +101,6 @@ def size_tree(tree: DraftTree, values: list[float], verify: Callable[[int], floa
     point-mass nodes are cut: which sampled nodes exist depends on the draws, so cutting them by
     what lies below could favour some tokens over others; their budget is set before drawing
     instead (``DraftContext.max_nodes``)."""
-    laws = tree.laws.tolist()
     if cut_sampled:
         return _grow(tree, values, verify, fixed, max_nodes, [0], 1.0, 1.0 / (fixed + verify(1)),
                      set(range(1, tree.num_nodes)))[::2]

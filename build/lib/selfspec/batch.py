@@ -1,0 +1,608 @@
+"""Exact speculation for a batch: every row's tree in one target pass, requests joining and leaving.
+
+**Cache layout.** :class:`BatchTarget` keeps one ``transformers.DynamicCache`` of ``[B, kv_heads,
+T, head_dim]`` per layer for B rows. Row b's committed tokens sit in slots ``0 .. len_b - 1``
+(position = slot), so its key positions need no table; slots ``len_b .. T - 1`` are *holes*,
+hidden from every query by the mask. ``T`` is always ``max_b len_b``.
+
+**One pass.** Each row's tree (its own drafter, its own size) is padded to the batch's largest
+``N`` nodes with masked *pad nodes* (they see their row's prefix and themselves; their logits are
+never read) and all ``B * N`` nodes go through the unmodified model in one forward: tokens ``[B,
+N]``, ``position_ids[b, i] = len_b + depth_i``, a 4D mask ``[B, 1, N, T + N]`` per row (its
+committed slots, then its own tree's ancestor matrix; sliding windows as in
+:mod:`selfspec.attention_mask`). The pass appends the nodes at slots ``T .. T + N - 1`` of every
+row.
+
+**Commit, per row.** Row b's accepted path ``p_0 .. p_a`` moves from slots ``T + p_k`` to ``len_b +
+k``: one indexed copy of only the accepted tokens' keys and values, for all rows at once (the
+destination never lies after its source, so the copy reads before it writes), then the cache is
+cut to the new ``max len_b``. No row's other slots move: there is no realignment pass over the
+batch; what remains of one is this indexed copy and, when a row leaves, one gather of the
+surviving rows (timed as ``commit_s`` / ``leave_s`` in :class:`PoolStats`). The cost is the holes:
+every row attends over ``T`` slots; a row far shorter than the longest one pays for the gap.
+
+**Requests.** Each row is a :class:`selfspec.request.Request` with its own controller (a fork of
+the pool's: own drafters' state and arm draws, shared acceptance and cost models), sampling
+settings, generator, stop conditions and budget; verification is the same pure verifier as
+alone. The cost model is told the batch's size (:attr:`selfspec.control.cost.CostModel.rows`), so
+each row weighs its tree against its share of the pass, and speculation turns itself down as the
+pass stops being memory bound.
+
+**The batch's word.** Every pass costs the batch's largest tree for every row, which no row's
+controller sees. So after the rows' controllers have sized their trees, the batch picks one node
+budget N for all of them, the one with the most expected tokens per second of the whole pass
+(each row's best nodes up to N by this step's acceptance draws, against ``c(rows * (N + 1))``);
+rows over N are cut to their best N nodes (sampled nodes are never cut). And the
+controller's :class:`~selfspec.control.gate.BatchGate` compares measured tokens per second of
+speculative and plain steps per batch size and runs plain steps while speculation measures
+slower.
+
+**Continuous batching.** :class:`Pool` holds waiting requests; between steps, finished rows leave
+and waiting ones join (each prefilled alone, then merged into the batch cache), up to
+``max_batch`` rows.
+
+Exactness: a row's output depends only on its own prompt, settings, generator and its nodes'
+logits, which its mask makes functions of its own tokens only; so every row decodes as it would
+alone (greedy: token-identical up to floating-point differences between kernels of other shapes;
+tests in float64 / float32 with a negative control whose rows see a neighbour's slots).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .request import (Request, SpecOutput, check_prompt, controller_for, model_lock, settings, sync)
+from .lm_head import head_matches_forward, lm_logits
+from .attention_mask import MaskBuilder
+from .target import TreeOutput, context_length
+from .taps import capture_taps
+from .tree import DraftTree
+
+
+class BatchTarget:
+    """Runs a causal LM over the draft trees of many sequences at once (module docstring).
+
+    Attributes:
+        lengths: committed slots per row.
+        cache: the batch's ``DynamicCache`` (``None`` with no rows).
+    """
+
+    def __init__(self, model, *, want_hidden: bool = False, taps: tuple[int, ...] = ()):
+        self.model, self.want_hidden, self.taps = model, want_hidden, tuple(taps)
+        self.masks = MaskBuilder(model)
+        self.device, self.dtype = self.masks.device, self.masks.dtype
+        self.decoder = model.get_decoder() if head_matches_forward(model) else None
+        self.cache = None
+        self.lengths: list[int] = []
+        self.reused = 0
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        """Cache slots per row (``max_b len_b``)."""
+        return max(self.lengths, default=0)
+
+    # ------------------------------------------------------------------ rows joining and leaving
+    @torch.no_grad()
+    def add(self, prompts: list[torch.Tensor]) -> list[TreeOutput]:
+        """Prefill new rows together and append them to the batch. ``prompts``: ``[L_b]`` each;
+        row b caches ``prompts[b][:-1]`` (right-padded to the longest, pads masked) and its last
+        token is its first root. Returns each row's prefill output (see
+        :meth:`selfspec.target.TreeTarget.prefill`: ``hidden`` ``[1, H]`` at its last cached
+        position, ``taps`` ``[L_b - 1, D]``; ``None`` for a one-token prompt)."""
+        lengths = [int(p.shape[0]) - 1 for p in prompts]
+        W, k = max(lengths), len(prompts)
+        if W == 0:
+            self._append(None, lengths)
+            return [TreeOutput(None, None, None) for _ in prompts]
+        tokens = torch.zeros(k, W, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            tokens[b, : lengths[b]] = p[:-1]
+        pos = torch.arange(W)
+        own = pos[None, :] < torch.tensor(lengths)[:, None]  # [k, W] real slots
+        visible = (pos[None, :, None] >= pos[None, None, :]) & own[:, None, :]  # causal over own tokens
+        visible |= torch.eye(W, dtype=torch.bool)  # pads see themselves (never read)
+        from .kv_cache import new_cache
+
+        cache = new_cache()
+        inputs = dict(input_ids=tokens.to(self.device), position_ids=pos.expand(k, W).to(self.device), cache=cache,
+                      attention_mask=self.masks.build(visible, pos.expand(k, W), pos.expand(k, W)), use_cache=True)
+        with capture_taps(self.model, self.taps) as record:
+            if self.decoder is not None:
+                hidden = self.decoder(**inputs).last_hidden_state
+            else:
+                out = self.model(**inputs, output_hidden_states=self.want_hidden, logits_to_keep=1)
+                hidden = out.hidden_states[-1] if self.want_hidden else None
+        taps = record.get() if self.taps else None
+        self._append(cache, lengths)
+        outs = []
+        for b, n in enumerate(lengths):
+            if n == 0:
+                outs.append(TreeOutput(None, None, None))
+                continue
+            outs.append(TreeOutput(None, hidden[b, n - 1: n] if self.want_hidden else None,
+                                   taps[b, :n] if taps is not None else None))
+        return outs
+
+    def _append(self, cache, lengths: list[int]) -> None:
+        """Append rows whose keys / values are ``cache`` (``[k, H, W, D]`` per layer, or nothing
+        cached) with ``lengths`` committed slots each."""
+        new = _layers(cache)
+        old = _layers(self.cache)
+        rows, width = self.rows, max([self.width] + lengths)
+        if new is None and old is None:
+            self.cache = self.cache if self.cache is not None else cache
+        elif old is None:  # earlier rows (if any) cached nothing: they become holes
+            for layer in new:
+                layer.keys, layer.values = (_join(None, t, rows, width) for t in (layer.keys, layer.values))
+            self.cache = cache
+        else:
+            for i, layer in enumerate(old):
+                extra = new[i] if new is not None else None
+                layer.keys = _join(layer.keys, None if extra is None else extra.keys, len(lengths), width)
+                layer.values = _join(layer.values, None if extra is None else extra.values, len(lengths), width)
+        self.lengths += lengths
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in this order): the others leave the batch."""
+        self.lengths = [self.lengths[r] for r in rows]
+        if not rows:
+            self.cache = None
+            return
+        layers = _layers(self.cache)
+        if layers is None:
+            return
+        index, width = torch.tensor(rows, dtype=torch.long), self.width
+        for layer in layers:
+            idx = index.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(0, idx)[:, :, :width]
+            layer.values = layer.values.index_select(0, idx)[:, :, :width]
+
+    # ------------------------------------------------------------------ one pass
+    def pass_mask(self, trees: list[DraftTree]):
+        """``(mask, tokens [B, N], positions [B, N])`` of one pass over ``trees`` (one per row)."""
+        B, T, N = self.rows, self.width, max(t.num_nodes for t in trees)
+        tokens = torch.empty(B, N, dtype=torch.long)
+        depth = torch.zeros(B, N, dtype=torch.long)
+        visible = torch.zeros(B, N, T + N, dtype=torch.bool)
+        visible[:, :, T:] = torch.eye(N, dtype=torch.bool)  # pad nodes: themselves only
+        for b, (tree, length) in enumerate(zip(trees, self.lengths)):
+            n = tree.num_nodes
+            tokens[b] = tree.tokens[0]
+            tokens[b, :n] = tree.tokens
+            depth[b, :n] = tree.depths
+            visible[b, :, :length] = True
+            visible[b, :n, T: T + n] = tree.ancestors()
+        positions = torch.tensor(self.lengths, dtype=torch.long)[:, None] + depth
+        k_pos = torch.cat([torch.arange(T).expand(B, T), positions], dim=1)
+        return self.masks.build(visible, positions, k_pos), tokens, positions
+
+    @torch.no_grad()
+    def forward_trees(self, trees: list[DraftTree]) -> list[TreeOutput]:
+        """One forward over every row's tree (``trees[b]`` rooted at row b's last token); the
+        nodes' KV is appended to every row until :meth:`commit`. Returns each row's
+        :class:`~selfspec.target.TreeOutput` (``logits`` ``[n_b, V]``)."""
+        if len(trees) != self.rows:
+            raise ValueError(f"got {len(trees)} trees for {self.rows} rows")
+        mask, tokens, positions = self.pass_mask(trees)
+        inputs = dict(input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions.to(self.device),
+                      use_cache=True)
+        if self.cache is None:
+            from .kv_cache import new_cache
+
+            self.cache = new_cache()
+        inputs["cache"] = self.cache
+        sizes = [t.num_nodes for t in trees]
+        real = torch.cat([b * tokens.shape[1] + torch.arange(n) for b, n in enumerate(sizes)]).to(self.device)
+        with capture_taps(self.model, self.taps) as record:
+            if self.decoder is not None:
+                hidden = self.decoder(**inputs).last_hidden_state.flatten(0, 1)[real]
+                logits = lm_logits(self.model, hidden)
+            else:
+                out = self.model(**inputs, output_hidden_states=self.want_hidden)
+                logits = out.logits.flatten(0, 1)[real]
+                hidden = out.hidden_states[-1].flatten(0, 1)[real] if self.want_hidden else None
+        taps = record.get().flatten(0, 1)[real] if self.taps else None
+        self._pending = (self.width, sizes)
+        outs, start = [], 0
+        for n in sizes:
+            rows = slice(start, start + n)
+            outs.append(TreeOutput(logits[rows], hidden[rows] if self.want_hidden else None,
+                                   taps[rows] if taps is not None else None))
+            start += n
+        return outs
+
+    def commit(self, paths: list[list[int]]) -> None:
+        """Keep each row's accepted ``paths[b]`` (node indices, root first) after its committed
+        slots (module docstring)."""
+        width, sizes = self._pending
+        rows, dst, src = [], [], []
+        for b, path in enumerate(paths):
+            for k, node in enumerate(path):
+                if self.lengths[b] + k != width + node:
+                    rows.append(b), dst.append(self.lengths[b] + k), src.append(width + node)
+            self.lengths[b] += len(path)
+        new_width = self.width
+        index = [torch.tensor(v, dtype=torch.long) for v in (rows, dst, src)] if rows else None
+        for layer in _layers(self.cache) or ():
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                if index is not None:
+                    r, d, s = (v.to(t.device) for v in index)
+                    t[r, :, d] = t[r, :, s]
+                setattr(layer, name, t[:, :, :new_width])
+
+
+def _layers(cache):
+    """The cache's initialised layers, or ``None`` when nothing is cached yet."""
+    if cache is None:
+        return None
+    layers = [layer for layer in cache.layers if getattr(layer, "is_initialized", False)]
+    return layers or None
+
+
+def _join(old: torch.Tensor | None, new: torch.Tensor | None, count: int, width: int) -> torch.Tensor:
+    """Rows ``old`` ``[B, H, T, D]`` then ``count`` new rows ``new`` ``[count, H, L, D]``, each with
+    ``width`` slots (holes zero). ``old`` ``None`` with ``new``: ``count`` is the number of empty
+    rows *before* ``new``; ``new`` ``None``: ``count`` empty rows after ``old``."""
+    if old is None:
+        out = new.new_zeros((count + new.shape[0], new.shape[1], width, new.shape[3]))
+        out[count:, :, : new.shape[2]] = new
+        return out
+    out = old.new_zeros((old.shape[0] + count, old.shape[1], width, old.shape[3]))
+    out[: old.shape[0], :, : old.shape[2]] = old
+    if new is not None:
+        out[old.shape[0]:, :, : new.shape[2]] = new
+    return out
+
+
+# ---------------------------------------------------------------------- requests
+@dataclass
+class PoolStats:
+    """Where a pool's time went (seconds on the pool's clock) and how full its passes were.
+
+    ``pass_tokens``: tree nodes scored, pads included; ``real_tokens``: nodes of real trees;
+    ``slots``: key slots attended over (rows x width, summed over passes) and ``hole_slots`` the
+    masked holes among them. ``commit_s`` / ``leave_s`` are the realignment the layout needs (the
+    indexed copy of accepted tokens; rows leaving)."""
+
+    steps: int = 0
+    rows_per_step: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    pass_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+    leave_s: float = 0.0
+    pass_tokens: int = 0
+    real_tokens: int = 0
+    slots: int = 0
+    hole_slots: int = 0
+
+    @property
+    def realign_share(self) -> float:
+        """Share of step time spent moving cache slots (commit copies and rows leaving)."""
+        total = self.draft_s + self.pass_s + self.verify_s + self.commit_s + self.leave_s
+        return (self.commit_s + self.leave_s) / total if total > 0 else 0.0
+
+
+@dataclass
+class Handle:
+    """A submitted request: ``output`` (a :class:`~selfspec.request.SpecOutput`) once done, and its
+    times on the pool's clock (``submitted`` <= ``admitted`` <= ``finished``)."""
+
+    index: int
+    request: Request
+    submitted: float
+    admitted: float | None = None
+    finished: float | None = None
+    output: SpecOutput | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.output is not None
+
+
+class Pool:
+    """Continuous batching over one model: :meth:`submit` requests, then :meth:`step` (or
+    :meth:`run`); each step retires finished rows, admits waiting requests up to ``max_batch``
+    (the joiners prefilled together in one pass, between the others' steps), drafts for every row
+    and verifies every row's tree in one pass.
+
+    Args:
+        model: the target (transformers causal LM, eval mode).
+        drafter: a drafter, a list of them (their union) or a :class:`~selfspec.control.Controller`;
+            each request gets the controller's fork; ``None``: plain batched decoding.
+        control: as in :func:`selfspec.generate`.
+        max_batch: most rows decoding at once.
+        clock: the pool's clock (seconds).
+    """
+
+    def __init__(self, model, drafter=None, *, control=None, max_batch: int = 8, clock=time.perf_counter):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.model, self.max_batch, self.clock = model, max_batch, clock
+        self.controller = controller_for(drafter, control)
+        if self.controller is not None:
+            self.controller.check_target(model)
+            self.controller.begin(model)  # the shared cost model, measured or cached once
+        needs = self.controller.requires if self.controller is not None else None
+        self.target = BatchTarget(model, want_hidden=needs is not None and needs.hidden,
+                                  taps=needs.taps if needs else ())
+        self.limit = context_length(model)
+        self.waiting: deque[Handle] = deque()
+        self.running: list[Handle] = []
+        self.stats = PoolStats()
+        self.gate = None
+        if self.controller is not None and self.controller.config.batch_gate:
+            self.gate = self.controller.gate
+            self.gate.reset_warmth()
+        self._count = itertools.count()
+        self.lock = model_lock(model)
+
+    def submit(self, input_ids, *, streamer=None, **options) -> Handle:
+        """Queue one request: ``input_ids`` ``[L]`` / ``[1, L]`` and :func:`selfspec.generate`'s
+        per-request options (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed`` /
+        ``generator``, ``eos_token_id``, ``generation_config``, ``logits_processor``,
+        ``stopping_criteria``, ``stop_strings`` + ``tokenizer``, ``constraint``, ``tools``), checked
+        here. Returns its :class:`Handle`."""
+        s = settings(self.model, **options)
+        ids = check_prompt(self.model, input_ids)
+        s.context_limit = self.limit or ids.shape[0] + s.max_new_tokens
+        index = next(self._count)
+        controller = None
+        if self.controller is not None:
+            controller = self.controller.fork(seed=self.controller.config.seed + 1 + index)
+        handle = Handle(index, Request(ids, controller, s, streamer), self.clock())
+        self.waiting.append(handle)
+        return handle
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def step(self) -> list[Handle]:
+        """Admit waiting requests, run one batched step, retire finished rows; returns the
+        requests that finished in this step."""
+        with self.lock:
+            finished = self._admit()
+            if self.running:
+                finished += self._step()
+            return finished
+
+    def run(self) -> list[Handle]:
+        """Step until no request waits or runs; returns every finished handle in finishing order."""
+        done: list[Handle] = []
+        while not self.idle:
+            done += self.step()
+        return done
+
+    def _admit(self) -> list[Handle]:
+        """Admit waiting requests up to ``max_batch`` rows: one prefill pass over all of them."""
+        joining = []
+        while self.waiting and len(self.running) + len(joining) < self.max_batch:
+            joining.append(self.waiting.popleft())
+        if not joining:
+            return []
+        start = self.clock()
+        for h in joining:
+            h.admitted = start
+            h.request.begin(self.model, self.clock)
+        pres = self.target.add([h.request.ids for h in joining])
+        sync(self.target.device)
+        now = self.clock()
+        self.stats.prefill_s += now - start
+        for h, pre in zip(joining, pres):
+            h.request.prefilled(pre, bool(self.target.taps), now)
+            h.request.check_budget()  # (a prompt that fills the context has nothing to generate)
+        self.running += joining
+        if self.gate is not None:  # the joiners' first drafts catch up on their prompts
+            self.gate.reset_warmth()
+        return self._retire()
+
+    def _step(self) -> list[Handle]:
+        clock, stats, rows = self.clock, self.stats, len(self.running)
+        cost = self.controller.cost if self.controller is not None else None
+        if cost is not None:
+            cost.rows = rows
+        drafting = self.controller is not None and (self.gate is None or self.gate.draft(rows))
+        t0 = clock()
+        trees, draft_s = self._draft(drafting)
+        t1 = clock()
+        scored = self.target.forward_trees(trees)
+        sync(self.target.device)
+        t2 = clock()
+        verdicts = [h.request.settle(tree, out.logits) for h, tree, out in zip(self.running, trees, scored)]
+        t3 = clock()
+        self.target.commit([v.path for v in verdicts])
+        sync(self.target.device)
+        t4 = clock()
+        n_max, width = max(t.num_nodes for t in trees), self.target.width
+        stats.steps += 1
+        stats.rows_per_step.append(rows)
+        stats.draft_s += sum(draft_s)
+        stats.pass_s, stats.verify_s, stats.commit_s = stats.pass_s + t2 - t1, stats.verify_s + t3 - t2, stats.commit_s + t4 - t3
+        stats.pass_tokens += rows * n_max
+        stats.real_tokens += sum(t.num_nodes for t in trees)
+        stats.slots += rows * width
+        stats.hole_slots += rows * width - sum(self.target.lengths)
+        verify_s = t4 - t1
+        if cost is not None:
+            cost.record_verify(n_max, verify_s / rows)
+        emitted = 0
+        for h, tree, verdict, out, d in zip(self.running, trees, verdicts, scored, draft_s):
+            emitted += len(h.request.advance(tree, verdict, out.hidden, out.taps, d, verify_s, t4, None))
+            h.request.check_budget()
+        if self.gate is not None:
+            self.gate.record(rows, drafting, emitted, t4 - t0)
+        return self._retire()
+
+    def _draft(self, drafting: bool) -> tuple[list[DraftTree], list[float]]:
+        """Every row's tree for this step and each row's drafting seconds (its controller's own
+        decision time included): each row's controller plans its arm, then every member drafts for all the rows that asked it in one
+        :meth:`~selfspec.drafters.base.Drafter.propose_many` call (its seconds shared evenly by
+        those rows), and each row's controller assembles its tree."""
+        plans, calls, deciding = [], {}, []  # deciding: each row's own controller seconds (plan, assemble)
+        for b, h in enumerate(self.running):
+            t = self.clock()
+            ctx = h.request.context(draft=drafting)
+            plan = None if ctx is None else h.request.controller.plan(ctx)
+            plans.append(plan)
+            deciding.append(self.clock() - t)
+            for m, mctx in plan or ():
+                calls.setdefault(m, []).append((b, mctx))
+        results: list[list] = [[] for _ in self.running]
+        for m, asked in sorted(calls.items()):
+            drafters = [self.running[b].request.controller.members[m] for b, _ in asked]
+            t = self.clock()
+            proposals = type(drafters[0]).propose_many(drafters, [mctx for _, mctx in asked])
+            share = (self.clock() - t) / len(asked)
+            for (b, _), proposal in zip(asked, proposals):
+                results[b].append((m, proposal, share))
+        trees, seconds = [], []
+        for h, plan, got, spent in zip(self.running, plans, results, deciding):
+            if plan is None:
+                trees.append(DraftTree.root_only(int(h.request.tokens[h.request.length - 1])))
+                seconds.append(spent)
+                continue
+            t = self.clock()
+            order = {m: i for i, (m, _) in enumerate(plan)}
+            got.sort(key=lambda r: order[r[0]])
+            trees.append(h.request.controller.assemble([(p, s) for _, p, s in got]).tree)
+            seconds.append(spent + self.clock() - t + sum(s for _, _, s in got))
+        if self.controller is not None and len(trees) > 1 and not self.controller.config.fixed:
+            trees = self._budget(trees, sum(seconds))
+        return trees, seconds
+
+    def _budget(self, trees: list[DraftTree], draft_s: float) -> list[DraftTree]:
+        """One node budget N for every row's tree (module docstring): the N with the most expected
+        tokens per second of the pass (``draft_s`` already spent), each row keeping its uncuttable
+        nodes and its best others up to N; rows over N are cut by their controllers."""
+        offers = [h.request.controller.offer() if t.num_nodes > 1 else None for h, t in zip(self.running, trees)]
+        if not any(offers):
+            return trees
+        rows, cost = len(trees), self.controller.cost
+        low = max(len(o[0]) for o in offers if o)
+        high = max(t.num_nodes - 1 for t in trees)
+        best, best_n = -1.0, high
+        for n in range(low, high + 1):
+            tokens = float(rows)
+            for o in offers:
+                if o:
+                    fixed, ranked = o
+                    tokens += sum(fixed) + sum(ranked[: n - len(fixed)])
+            rate = tokens / (draft_s + rows * cost.verify(n + 1))
+            if rate > best:
+                best, best_n = rate, n
+        return [h.request.controller.cut(best_n) if o and t.num_nodes - 1 > best_n else t
+                for h, t, o in zip(self.running, trees, offers)]
+
+    def _retire(self) -> list[Handle]:
+        done = [i for i, h in enumerate(self.running) if h.request.done]
+        if not done:
+            return []
+        t = self.clock()
+        keep = [i for i in range(len(self.running)) if i not in done]
+        self.target.keep(keep)
+        self.stats.leave_s += self.clock() - t
+        out = []
+        for i in done:
+            h = self.running[i]
+            h.finished = self.clock()
+            h.output = h.request.close(h.finished)
+            out.append(h)
+        self.running = [self.running[i] for i in keep]
+        return out
+
+
+@dataclass
+class BatchOutput:
+    """Result of :func:`selfspec.generate` on several prompts.
+
+    Attributes:
+        outputs: one :class:`~selfspec.request.SpecOutput` per prompt, in input order.
+        stats: the pool's :class:`PoolStats`.
+    """
+
+    outputs: list[SpecOutput]
+    stats: PoolStats
+
+    @property
+    def sequences(self) -> list[torch.Tensor]:
+        """Each row's prompt and new tokens, ``[L_b + new_b]`` (rows differ in length)."""
+        return [o.sequences[0] for o in self.outputs]
+
+    def padded(self, pad_token_id: int) -> torch.Tensor:
+        """``[B, max_len]`` right-padded sequences (as ``model.generate`` returns a batch, up to
+        its padding side)."""
+        seqs = self.sequences
+        out = torch.full((len(seqs), max(s.shape[0] for s in seqs)), int(pad_token_id), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            out[b, : s.shape[0]] = s
+        return out
+
+
+def split_prompts(input_ids, attention_mask=None) -> list[torch.Tensor]:
+    """A batch of prompts as a list of ``[L_b]`` tensors: a list / tuple of id sequences, or
+    ``[B, L]`` ids with an optional ``[B, L]`` attention mask (left or right padding, as
+    transformers takes them; each row's unmasked tokens must be contiguous)."""
+    if isinstance(input_ids, (list, tuple)):
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with a [B, L] tensor of ids, not a list of prompts")
+        if not input_ids:
+            raise ValueError("got an empty list of prompts")
+        return [torch.as_tensor(p) for p in input_ids]
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() != 2:
+        raise ValueError(f"a batch of prompts is [B, L] ids (or a list of prompts), got shape {tuple(ids.shape)}")
+    if attention_mask is None:
+        return list(ids)
+    mask = torch.as_tensor(attention_mask)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}")
+    if mask.dtype.is_floating_point or not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token), as transformers takes it")
+    out = []
+    for b in range(ids.shape[0]):
+        where = mask[b].nonzero().flatten()
+        if where.numel() == 0:
+            raise ValueError(f"row {b} of attention_mask masks every token: the prompt is empty")
+        lo, hi = int(where[0]), int(where[-1]) + 1
+        if int(mask[b, lo:hi].sum()) != hi - lo:
+            raise ValueError(f"row {b} of attention_mask has holes inside the prompt; only left or right padding "
+                             "is supported")
+        out.append(ids[b, lo:hi])
+    return out
+
+
+def generate_batch(model, prompts: list[torch.Tensor], *, drafter=None, control=None, seed=None, generator=None,
+                   streamers=None, **options) -> BatchOutput:
+    """Decode several prompts together (all rows start at once; see :class:`Pool`). ``seed``:
+    row b samples from ``seed + b``; ``generator``: every row draws from it (in row order), so
+    rows' draws depend on each other's steps; neither: fresh random seeds."""
+    pool, handles = batch_pool(model, prompts, drafter=drafter, control=control, seed=seed, generator=generator,
+                               streamers=streamers, **options)
+    pool.run()
+    return BatchOutput([h.output for h in handles], pool.stats)
+
+
+def batch_pool(model, prompts: list[torch.Tensor], *, drafter=None, control=None, seed=None, generator=None,
+               streamers=None, **options) -> tuple[Pool, list[Handle]]:
+    """:func:`generate_batch`'s pool with every prompt submitted (arguments checked), not run."""
+    if seed is not None and generator is not None:
+        raise ValueError("give either seed or generator, not both")
+    pool = Pool(model, drafter, control=control, max_batch=len(prompts))
+    handles = []
+    for b, ids in enumerate(prompts):
+        row_seed = None if seed is None else int(seed) + b
+        handles.append(pool.submit(ids, seed=row_seed, generator=generator,
+                                   streamer=None if streamers is None else streamers[b], **options))
+    return pool, handles

@@ -1,0 +1,1 @@
+"""The ``selfspec`` command's subcommands (:mod:`selfspec.cli`); ``scripts/`` holds aliases."""

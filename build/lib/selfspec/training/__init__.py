@@ -1,0 +1,1 @@
+"""selfspec training library: self-distillation data, drafter training recipes, typed configs."""
