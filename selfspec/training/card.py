@@ -63,7 +63,7 @@ def card_text(cfg, out: Path, bench: dict) -> str:
     """The model card (Markdown with Hub front matter) of the run in ``out``."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from .pipeline import ALIAS_BASE_MODELS, ALIAS_LICENSES
+    from .pipeline_config import ALIAS_BASE_MODELS, ALIAS_LICENSES
 
     meta = json.loads((out / "drafter" / "drafter.json").read_text(encoding="utf-8"))
     extra, kind = meta.get("extra") or {}, meta["kind"]
