@@ -129,9 +129,18 @@ def test_what_should_work_does(model, case, kwargs):
 
 
 def test_a_tiny_temperature_is_greedy(model):
+    """The law at T -> 0 is greedy's, and sampling there is computed without overflow; negative
+    control: dividing the logits by the temperature as they are gives no law at all."""
+    from selfspec.sampling import SamplingConfig, target_probs
+
     a = selfspec.generate(model, IDS, max_new_tokens=6, temperature=1e-300, seed=1)
     b = selfspec.generate(model, IDS, max_new_tokens=6)
     assert torch.equal(a.sequences, b.sequences)
+    logits = torch.tensor([[0.5, 2.0, -1.0, 2.0]])
+    p = target_probs(logits, SamplingConfig(temperature=1e-300))
+    assert torch.equal(p, torch.tensor([[0.0, 0.5, 0.0, 0.5]]))  # a tie splits evenly, as its limit does
+    naive = (logits.float() / 1e-300).softmax(-1)
+    assert not bool(torch.isfinite(naive).all())
 
 
 def test_a_generation_config_with_top_p_two_is_refused(model):
