@@ -16,6 +16,15 @@ from .pipeline_config import PipelineConfig, train_config
 ONE_ROW_SLOWDOWN = 8
 
 
+def default_tflops(device: str | None = None) -> float:
+    """The throughput a plan assumes per process: 200 TFLOP/s on a GPU (bf16 on an H100-class card
+    at about 40% of peak), 0.1 on a CPU (docs/training.md compares plans with measured runs)."""
+    import torch
+
+    gpu = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
+    return 200.0 if gpu else 0.1
+
+
 def device_memory_gib(cfg: PipelineConfig) -> float | None:
     """Memory of the accelerator the run would use, or ``None`` on a CPU."""
     import torch
@@ -30,12 +39,10 @@ def plan(cfg: PipelineConfig, processes: int = 1, tflops: float | None = None) -
     """Each stage with its estimated time and memory (planning numbers, not measurements): tokens
     generated or trained on times 2 (inference) or 6 (training) FLOPs per parameter, at ``tflops``
     per process (default 200 on a GPU, 0.1 on a CPU; docs/training.md compares plans with measured runs)."""
-    import torch
 
     from .dry_run import estimate, target_config
 
-    gpu = torch.cuda.is_available() if cfg.load.device is None else cfg.load.device.startswith("cuda")
-    tflops = tflops or (200.0 if gpu else 0.1)
+    tflops = tflops or default_tflops(cfg.load.device)
     config = target_config(cfg.model)
     text = config.get_text_config(decoder=True)
     params = _param_count(config)

@@ -123,7 +123,10 @@ def recipe_main(args) -> None:
     if args.dry_run:
         from selfspec.training.dry_run import report
 
-        print(report(args.config, cfg, args.overrides, args.processes, args.tflops or 200.0), end="")
+        from selfspec.training.plan import default_tflops
+
+        print(report(args.config, cfg, args.overrides, args.processes, args.tflops or default_tflops(args.device)),
+              end="")
         return
     summary = recipes.run(cfg, resume=args.resume, allow_config_change=args.allow_config_change)
     m = summary["metrics"]

@@ -154,7 +154,7 @@ def report(config_path: str | None, cfg, overrides: list[str], processes: int, t
              f"trainable + AdamW {mem['trainable_and_adam_gib']:.2f}, activations ~{mem['activations_gib']:.1f})"]
     if est.get("hours") is not None:
         lines.append(f"time: ~{est['hours']:.2f} h for {est['dataset_tokens']:,} tokens x {cfg.optim.epochs} epochs "
-                     f"on {processes} process(es) at {tflops:.0f} TFLOP/s each (an estimate, not a measurement)")
+                     f"on {processes} process(es) at {tflops:g} TFLOP/s each (an estimate, not a measurement)")
     else:
         lines.append(f"time: unknown until the dataset exists ({cfg.dataset}: run selfspec distill first)")
     lines.append("command: " + launch_command(config_path, cfg, processes, overrides))

@@ -16,6 +16,7 @@ from selfspec.checkpoint import atomic_write_text
 from .pipeline_config import EXPORTS, train_config
 from .processes import process_state
 
+
 def _tracker(tracking: dict | None, config: dict | None = None):
     from .tracking import Tracker
 
