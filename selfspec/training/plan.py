@@ -11,9 +11,14 @@ from pathlib import Path
 
 from .pipeline_config import PipelineConfig, train_config
 
-#: How much slower one sequence decodes than a batch of them, per token, in the plan (a decode step
-#: reads every weight for one row): calibration and the benchmark run at batch 1.
-ONE_ROW_SLOWDOWN = 8
+#: How much slower one sequence decodes than batched generation, per token (a decode step reads every
+#: weight for one row): calibration and the benchmark run at batch 1 (docs/training.md: measured).
+ONE_ROW_SLOWDOWN = 3
+
+#: Share of the assumed training throughput that batched generation (distillation) sustains: its
+#: decode steps read every weight for a few rows, so they are bound by memory, not arithmetic
+#: (docs/training.md: the measured ratio on the development CPU).
+GENERATION_SHARE = 0.2
 
 
 def default_tflops(device: str | None = None) -> float:
@@ -53,7 +58,7 @@ def plan(cfg: PipelineConfig, processes: int = 1, tflops: float | None = None) -
     distill_tokens = prompts * answer
     kv = 2 * text.num_hidden_layers * text.hidden_size * dtype_bytes * cfg.distill.batch_size * \
         (cfg.distill.max_prompt_tokens + cfg.distill.max_new_tokens) / 1024 ** 3
-    rate = tflops * 1e12 * processes / (2 * params)
+    rate = tflops * GENERATION_SHARE * 1e12 * processes / (2 * params)  # generated tokens per second
     rows = [dict(stage="distill", what=f"{prompts:,} prompts x ~{answer:.0f} new tokens", hours=distill_tokens / rate / 3600,
                  memory_gib=weights + kv)]
     tcfg = train_config(cfg, Path(cfg.out), text_config=text)
