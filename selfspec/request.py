@@ -436,8 +436,8 @@ def eos_ids(model, eos_token_id) -> set[int]:
         return set()
     import numbers
 
-    values = [eos_token_id] if isinstance(eos_token_id, numbers.Number) or torch.is_tensor(eos_token_id) and \
-        eos_token_id.dim() == 0 else eos_token_id
+    scalar = isinstance(eos_token_id, numbers.Number) or (torch.is_tensor(eos_token_id) and eos_token_id.dim() == 0)
+    values = [eos_token_id] if scalar else eos_token_id
     try:
         values = list(values)
     except TypeError:

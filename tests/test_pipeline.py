@@ -192,17 +192,22 @@ def _readme_training_commands() -> list[str]:
     return [line.split("#", 1)[0].strip() for line in block.strip().splitlines() if line.strip()]
 
 
-def test_readme_training_commands_run_in_a_fresh_copy_of_the_repository(tiny, tmp_path):
-    """The README's training commands, verbatim but for the model (a tiny one) and in --smoke form,
-    in a copy of the tracked files with nothing beside it: nothing reads outside the copy."""
-    copy = tmp_path / "clone" / "selfspec"
+def _copy_tracked(copy: Path) -> Path:
+    """The repository's tracked files (less the shipped heads, data and results) copied to ``copy``."""
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for name in files:
-        if name.startswith(("checkpoints/", "data/distill/", "docs/results/")):
+        if name.startswith(("checkpoints/", "data/", "docs/results/")):
             continue
         dest = copy / name
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes((ROOT / name).read_bytes())
+    return copy
+
+
+def test_readme_training_commands_run_in_a_fresh_copy_of_the_repository(tiny, tmp_path):
+    """The README's training commands, verbatim but for the model (a tiny one) and in --smoke form,
+    in a copy of the tracked files with nothing beside it: nothing reads outside the copy."""
+    copy = _copy_tracked(tmp_path / "clone" / "selfspec")
     commands = [c for c in _readme_training_commands() if c.startswith("selfspec train --model")]
     assert commands, "the README's Train a head section lists no selfspec train --model command"
     env = dict(os.environ, PYTHONPATH=str(copy), WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
@@ -242,10 +247,11 @@ def test_a_wheel_carries_the_prompt_sets(tmp_path):
     """What the training path reads ships inside the package (an installed wheel needs no checkout)."""
     import zipfile
 
+    source = _copy_tracked(tmp_path / "src")  # (a build writes build/ beside the sources: never in the checkout)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                           str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
+                           str(tmp_path / "wheel"), str(source)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    names = set(zipfile.ZipFile(next(tmp_path.glob("*.whl"))).namelist())
+    names = set(zipfile.ZipFile(next((tmp_path / "wheel").glob("*.whl"))).namelist())
     from selfspec import prompts
 
     shipped = {f"selfspec/prompts/{p.relative_to(prompts.root())}" for p in prompts.root().rglob("*")

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from selfspec.loading import DEFAULT_TARGET
 
 #: Exceptions that mean bad input, not a bug in selfspec.
-EXPECTED = (ValueError, TypeError, OSError, ImportError, KeyError, FloatingPointError)
+EXPECTED = (ValueError, TypeError, OSError, ImportError, FloatingPointError)
 
 
 def add_model_args(ap: argparse.ArgumentParser, *, default_model: str | None = DEFAULT_TARGET,
@@ -73,7 +73,5 @@ def fail(command: str, args=None):
         if getattr(args, "debug", False):
             raise
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if isinstance(err, KeyError):
-            message = f"missing key {err}"
         print(f"selfspec {command}: error: {message}", file=sys.stderr)
         sys.exit(2)

@@ -25,6 +25,7 @@ import selfspec
 from selfspec.chat import encode_chat
 from selfspec.checkpoint import CONFIG_FILE, CheckpointError, atomic_write_text
 from selfspec.control import ControlConfig, Controller, temperature_bucket
+from selfspec.target import context_length
 
 from .workloads import calibration_prompts, heldout_chat_prompts
 
@@ -109,7 +110,7 @@ def measure_acceptance(model, tokenizer, drafter, texts: list[str], *, new_token
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (the sampled measurement), got {temperature}")
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in texts]
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    limit = context_length(model)
     if limit:  # prompts the model's context cannot hold with the answer are left out
         prompts = [p for p in prompts if p.shape[1] + new_tokens <= limit]
         if not prompts:

@@ -99,7 +99,7 @@ def card_text(cfg, out: Path, bench: dict) -> str:
                   "conversations); MAT = tokens per target pass. A MAT below "
                   f"{NO_SPEEDUP_MAT} is reported as no speedup.", ""]
         for name, rows in bench.items():
-            lines += [f"[{name}](results/{name}.md) ({_dtype_of(out, name)}):", "", "| method | speedup | MAT |",
+            lines += [f"[{name}](results/{name}.md) ({_temperature_label(out, name)}):", "", "| method | speedup | MAT |",
                       "|---|---|---|"]
             lines += [_line(m, r) for m, r in rows.items() if m != "baseline"] + [""]
     lines += ["## Limitations", "", "Measured at batch 1 on the machine that trained it (the result files name it); "
@@ -108,7 +108,8 @@ def card_text(cfg, out: Path, bench: dict) -> str:
     return str(card)
 
 
-def _dtype_of(out: Path, name: str) -> str:
+def _temperature_label(out: Path, name: str) -> str:
+    """``T=<temperature>`` of the result file ``name`` (its own name if unreadable)."""
     path = out / "drafter" / "results" / f"{name}.json"
     try:
         records = json.loads(path.read_text(encoding="utf-8"))

@@ -49,6 +49,7 @@ from selfspec.prompts import root as shipped_prompts
 
 from .conversations import DataFile, load_conversations
 from .loop import peak_memory_gib
+from .processes import launched, process_state
 
 
 @dataclass
@@ -261,13 +262,6 @@ def _generate(model, tokenizer, encoded: list[torch.Tensor], cfg: DistillConfig,
     return [seq[width:].tolist() for seq in out]
 
 
-def _processes():
-    """accelerate's process state when launched with several processes, else ``None``."""
-    from .processes import launched, process_state
-
-    return process_state() if launched() else None
-
-
 def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *, target_name: str = "") -> Path:
     """Generate the dataset into ``out_dir`` (resuming finished shards); returns the dataset path.
 
@@ -279,7 +273,7 @@ def distill(model, tokenizer, cfg: DistillConfig, out_dir: str | os.PathLike, *,
     cfg.check_files()
     out = Path(out_dir)
     shards = out / "shards"
-    state = _processes()
+    state = process_state() if launched() else None  # several processes under accelerate launch
     rank, world = (state.process_index, state.num_processes) if state else (0, 1)
     if rank == 0:
         shards.mkdir(parents=True, exist_ok=True)

@@ -280,12 +280,9 @@ def draft_vocab_size(examples: list[dict], vocab: int, coverage: float = 0.99) -
     """The smallest power of two (1,024 at least, the vocabulary at most) whose most frequent
     response tokens cover ``coverage`` of the answers' tokens: the head's vocabulary follows the
     text it will draft, not a fixed size."""
-    import torch
+    from .recipes.eagle3 import token_counts
 
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for ex in examples:
-        ids = torch.tensor(ex["response_ids"], dtype=torch.long)
-        counts += torch.bincount(ids[ids < vocab], minlength=vocab)
+    counts = token_counts(examples, vocab)
     total = max(1, int(counts.sum()))
     cumulative = counts.sort(descending=True).values.cumsum(0)
     size = 1024

@@ -116,7 +116,9 @@ def _fitting(questions: list, model, tokenizer, new_tokens: int) -> list:
     """The questions whose first turn and answer fit the model's context (all, when it states none)."""
     from selfspec.chat import encode_chat
 
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    from selfspec.target import context_length
+
+    limit = context_length(model)
     if not limit:
         return questions
     kept = [q for q in questions if encode_chat(tokenizer, q.turns[0], system=q.system).shape[1] + new_tokens <= limit]

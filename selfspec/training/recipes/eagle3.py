@@ -125,7 +125,8 @@ class Eagle3TrainConfig:
         positive("step_decay", self.step_decay)
 
 
-def _token_counts(examples: list[dict], vocab: int) -> torch.Tensor:
+def token_counts(examples: list[dict], vocab: int) -> torch.Tensor:
+    """``[vocab]`` counts of the response tokens of ``examples``."""
     counts = torch.zeros(vocab, dtype=torch.long)
     for ex in examples:
         counts += torch.bincount(torch.tensor(ex["response_ids"], dtype=torch.long), minlength=vocab)[:vocab]
@@ -136,8 +137,8 @@ def draft_vocabulary(examples: list[dict], size: int, vocab: int, held_out: list
                      ) -> tuple[torch.Tensor, dict]:
     """The ``size`` most frequent response tokens of ``examples`` (increasing ids) and the share of
     ``held_out`` response tokens (default: ``examples``) that the top-n tokens cover, for several n."""
-    order = _token_counts(examples, vocab).argsort(descending=True, stable=True)
-    test = _token_counts(held_out if held_out else examples, vocab)
+    order = token_counts(examples, vocab).argsort(descending=True, stable=True)
+    test = token_counts(held_out if held_out else examples, vocab)
     total = max(1, int(test.sum()))
     coverage = {n: round(float(test[order[:n]].sum()) / total, 5) for n in sorted(set(COVERAGE_SIZES + (size,))) if n <= vocab}
     return order[:size].sort().values, coverage
@@ -145,7 +146,7 @@ def draft_vocabulary(examples: list[dict], size: int, vocab: int, held_out: list
 
 def _coverage_of(draft_ids: torch.Tensor, examples: list[dict], vocab: int) -> float:
     """Share of the response tokens of ``examples`` that lie in ``draft_ids``."""
-    counts = _token_counts(examples, vocab)
+    counts = token_counts(examples, vocab)
     return float(counts[draft_ids].sum()) / max(1, int(counts.sum()))
 
 
@@ -253,7 +254,7 @@ class Eagle3Recipe(TrainingRun):
         size = head.d2t.shape[0]
         if size < old_ids.shape[0]:
             raise ValueError(f"draft_vocab_size {size} is smaller than init_from's {old_ids.shape[0]}")
-        counts = _token_counts(self.train_set, vocab).float()
+        counts = token_counts(self.train_set, vocab).float()
         counts[old_ids] = -1.0
         extra = counts.argsort(descending=True, stable=True)[: size - old_ids.shape[0]]
         ids = torch.cat([old_ids, extra]).sort().values

@@ -1,1 +1,0 @@
-"""The ``selfspec`` command's subcommands (:mod:`selfspec.cli`); ``scripts/`` holds aliases."""

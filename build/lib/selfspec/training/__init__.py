@@ -1,1 +1,0 @@
-"""selfspec training library: self-distillation data, drafter training recipes, typed configs."""
