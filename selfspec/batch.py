@@ -49,6 +49,7 @@ tests in float64 / float32 with a negative control whose rows see a neighbour's 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -56,11 +57,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .request import (Request, SpecOutput, check_prompt, controller_for, model_lock, settings, sync)
-from .lm_head import head_matches_forward, lm_logits
+from .request import Request, SpecOutput, controller_for, model_lock
+from .step import step, sync
+from .lm_head import head_matches_forward
 from .attention_mask import MaskBuilder
-from .target import TreeOutput, context_length
-from .taps import capture_taps
+from .kv_cache import new_cache
+from .target import TreeOutput, TreeTarget, forward_model
 from .tree import DraftTree
 
 
@@ -80,6 +82,7 @@ class BatchTarget:
         self.cache = None
         self.lengths: list[int] = []
         self.reused = 0
+        self.supports_handoff = False
 
     @property
     def rows(self) -> int:
@@ -110,26 +113,20 @@ class BatchTarget:
         own = pos[None, :] < torch.tensor(lengths)[:, None]  # [k, W] real slots
         visible = (pos[None, :, None] >= pos[None, None, :]) & own[:, None, :]  # causal over own tokens
         visible |= torch.eye(W, dtype=torch.bool)  # pads see themselves (never read)
-        from .kv_cache import new_cache
-
         cache = new_cache()
         inputs = dict(input_ids=tokens.to(self.device), position_ids=pos.expand(k, W).to(self.device), cache=cache,
                       attention_mask=self.masks.build(visible, pos.expand(k, W), pos.expand(k, W)), use_cache=True)
-        with capture_taps(self.model, self.taps) as record:
-            if self.decoder is not None:
-                hidden = self.decoder(**inputs).last_hidden_state
-            else:
-                out = self.model(**inputs, output_hidden_states=self.want_hidden, logits_to_keep=1)
-                hidden = out.hidden_states[-1] if self.want_hidden else None
-        taps = record.get() if self.taps else None
+        out = forward_model(self.model, self.decoder, inputs, want_hidden=self.want_hidden, taps=self.taps,
+                            logits=False)
         self._append(cache, lengths)
         outs = []
         for b, n in enumerate(lengths):
             if n == 0:
                 outs.append(TreeOutput(None, None, None))
                 continue
-            outs.append(TreeOutput(None, hidden[b, n - 1: n] if self.want_hidden else None,
-                                   taps[b, :n] if taps is not None else None))
+            last = b * W + n - 1
+            outs.append(TreeOutput(None, out.hidden[last: last + 1] if self.want_hidden else None,
+                                   out.taps[b * W: b * W + n] if out.taps is not None else None))
         return outs
 
     def _append(self, cache, lengths: list[int]) -> None:
@@ -186,39 +183,36 @@ class BatchTarget:
         return self.masks.build(visible, positions, k_pos), tokens, positions
 
     @torch.no_grad()
-    def forward_trees(self, trees: list[DraftTree]) -> list[TreeOutput]:
+    def forward_trees(self, trees: list[DraftTree], handoffs: list | None = None) -> list[TreeOutput]:
         """One forward over every row's tree (``trees[b]`` rooted at row b's last token); the
         nodes' KV is appended to every row until :meth:`commit`. Returns each row's
-        :class:`~selfspec.target.TreeOutput` (``logits`` ``[n_b, V]``)."""
+        :class:`~selfspec.target.TreeOutput` (``logits`` ``[n_b, V]``). No layer handoffs."""
         if len(trees) != self.rows:
             raise ValueError(f"got {len(trees)} trees for {self.rows} rows")
+        if handoffs and any(h is not None for h in handoffs):
+            raise ValueError("a batch pass takes no layer handoff")
         mask, tokens, positions = self.pass_mask(trees)
-        inputs = dict(input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions.to(self.device),
-                      use_cache=True)
         if self.cache is None:
-            from .kv_cache import new_cache
-
             self.cache = new_cache()
-        inputs["cache"] = self.cache
+        inputs = dict(input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions.to(self.device),
+                      use_cache=True, cache=self.cache)
         sizes = [t.num_nodes for t in trees]
         real = torch.cat([b * tokens.shape[1] + torch.arange(n) for b, n in enumerate(sizes)]).to(self.device)
-        with capture_taps(self.model, self.taps) as record:
-            if self.decoder is not None:
-                hidden = self.decoder(**inputs).last_hidden_state.flatten(0, 1)[real]
-                logits = lm_logits(self.model, hidden)
-            else:
-                out = self.model(**inputs, output_hidden_states=self.want_hidden)
-                logits = out.logits.flatten(0, 1)[real]
-                hidden = out.hidden_states[-1].flatten(0, 1)[real] if self.want_hidden else None
-        taps = record.get().flatten(0, 1)[real] if self.taps else None
+        out = forward_model(self.model, self.decoder, inputs, want_hidden=self.want_hidden, taps=self.taps, select=real)
         self._pending = (self.width, sizes)
         outs, start = [], 0
         for n in sizes:
             rows = slice(start, start + n)
-            outs.append(TreeOutput(logits[rows], hidden[rows] if self.want_hidden else None,
-                                   taps[rows] if taps is not None else None))
+            outs.append(TreeOutput(out.logits[rows], out.hidden[rows] if self.want_hidden else None,
+                                   out.taps[rows] if out.taps is not None else None))
             start += n
         return outs
+
+    def rollback(self) -> None:
+        """Drop the slots a pass appended (every row back to its committed slots)."""
+        width = self.width
+        for layer in _layers(self.cache) or ():
+            layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
 
     def commit(self, paths: list[list[int]]) -> None:
         """Keep each row's accepted ``paths[b]`` (node indices, root first) after its committed
@@ -296,8 +290,10 @@ class PoolStats:
 
 @dataclass
 class Handle:
-    """A submitted request: ``output`` (a :class:`~selfspec.request.SpecOutput`) once done, and its
-    times on the pool's clock (``submitted`` <= ``admitted`` <= ``finished``)."""
+    """A submitted request: ``output`` (a :class:`~selfspec.request.SpecOutput`) once done, or
+    ``error`` when its own code raised (its drafter, constraint, processors, stopping criteria or
+    streamer: nothing else in the pool was changed by it), and its times on the pool's clock
+    (``submitted`` <= ``admitted`` <= ``finished``)."""
 
     index: int
     request: Request
@@ -305,48 +301,75 @@ class Handle:
     admitted: float | None = None
     finished: float | None = None
     output: SpecOutput | None = None
+    error: BaseException | None = None
 
     @property
     def done(self) -> bool:
-        return self.output is not None
+        return self.finished is not None
+
+    def result(self) -> SpecOutput:
+        """The output, or the request's error raised."""
+        if self.error is not None:
+            raise self.error
+        if self.output is None:
+            raise RuntimeError(f"request {self.index} has not finished")
+        return self.output
 
 
 class Pool:
     """Continuous batching over one model: :meth:`submit` requests, then :meth:`step` (or
     :meth:`run`); each step retires finished rows, admits waiting requests up to ``max_batch``
-    (the joiners prefilled together in one pass, between the others' steps), drafts for every row
-    and verifies every row's tree in one pass.
+    (the joiners prefilled together in one pass, between the others' steps) and runs the decode
+    step (:func:`selfspec.step.step`) over every row. A pool of one row (``max_batch=1``) decodes
+    its requests one after another with the pool's own controller (what ``selfspec.generate``
+    runs for one prompt); wider pools give each request a fork of it.
 
     Args:
         model: the target (transformers causal LM, eval mode).
         drafter: a drafter, a list of them (their union) or a :class:`~selfspec.control.Controller`;
-            each request gets the controller's fork; ``None``: plain batched decoding.
+            ``None``: plain decoding.
         control: as in :func:`selfspec.generate`.
         max_batch: most rows decoding at once.
         clock: the pool's clock (seconds).
+        prefix_cache: a :class:`~selfspec.prefix_cache.PrefixCache` (``max_batch=1`` only): each
+            prompt's longest cached prefix is not prefilled again; each output is stored.
+        target: the :class:`~selfspec.target.Target` to decode on (default: built for ``model``;
+            tests plug in table-driven targets, with ``model=None`` and requests built by hand).
     """
 
-    def __init__(self, model, drafter=None, *, control=None, max_batch: int = 8, clock=time.perf_counter):
+    def __init__(self, model, drafter=None, *, control=None, max_batch: int = 8, clock=time.perf_counter,
+                 prefix_cache=None, target=None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        self.model, self.max_batch, self.clock = model, max_batch, clock
+        if prefix_cache is not None:
+            from .prefix_cache import PrefixCache
+
+            if not isinstance(prefix_cache, PrefixCache):
+                raise ValueError(f"prefix_cache must be a selfspec PrefixCache, got {type(prefix_cache).__name__}")
+            if max_batch != 1:
+                raise ValueError("prefix_cache takes a pool of one row (max_batch=1)")
+            prefix_cache.check_model(model)
+        self.model, self.max_batch, self.clock, self.prefix_cache = model, max_batch, clock, prefix_cache
         self.controller = controller_for(drafter, control)
         if self.controller is not None:
-            self.controller.check_target(model)
-            self.controller.begin(model)  # the shared cost model, measured or cached once
+            if model is not None:
+                self.controller.check_target(model)
+            if self.controller.cost is None:
+                self.controller.begin(model)  # the shared cost model, measured or cached once
         needs = self.controller.requires if self.controller is not None else None
-        self.target = BatchTarget(model, want_hidden=needs is not None and needs.hidden,
-                                  taps=needs.taps if needs else ())
-        self.limit = context_length(model)
+        if target is None:
+            kind = TreeTarget if max_batch == 1 else BatchTarget
+            target = kind(model, want_hidden=needs is not None and needs.hidden, taps=needs.taps if needs else ())
+        self.target = target
         self.waiting: deque[Handle] = deque()
         self.running: list[Handle] = []
         self.stats = PoolStats()
         self.gate = None
-        if self.controller is not None and self.controller.config.batch_gate:
+        if self.controller is not None and self.controller.config.batch_gate and max_batch > 1:
             self.gate = self.controller.gate
             self.gate.reset_warmth()
         self._count = itertools.count()
-        self.lock = model_lock(model)
+        self.lock = model_lock(model) if model is not None else contextlib.nullcontext()
 
     def submit(self, input_ids, *, streamer=None, **options) -> Handle:
         """Queue one request: ``input_ids`` ``[L]`` / ``[1, L]`` and :func:`selfspec.generate`'s
@@ -354,14 +377,16 @@ class Pool:
         ``generator``, ``eos_token_id``, ``generation_config``, ``logits_processor``,
         ``stopping_criteria``, ``stop_strings`` + ``tokenizer``, ``constraint``, ``tools``), checked
         here. Returns its :class:`Handle`."""
-        s = settings(self.model, **options)
-        ids = check_prompt(self.model, input_ids)
-        s.context_limit = self.limit or ids.shape[0] + s.max_new_tokens
+        return self.add(Request.create(self.model, input_ids, None, streamer, **options))
+
+    def add(self, request: Request) -> Handle:
+        """Queue an already validated :class:`~selfspec.request.Request` (its controller is set
+        here: the pool's own in a pool of one row, a fork of it otherwise)."""
         index = next(self._count)
-        controller = None
         if self.controller is not None:
-            controller = self.controller.fork(seed=self.controller.config.seed + 1 + index)
-        handle = Handle(index, Request(ids, controller, s, streamer), self.clock())
+            request.controller = self.controller if self.max_batch == 1 else \
+                self.controller.fork(seed=self.controller.config.seed + 1 + index)
+        handle = Handle(index, request, self.clock())
         self.waiting.append(handle)
         return handle
 
@@ -370,8 +395,8 @@ class Pool:
         return not self.waiting and not self.running
 
     def step(self) -> list[Handle]:
-        """Admit waiting requests, run one batched step, retire finished rows; returns the
-        requests that finished in this step."""
+        """Admit waiting requests, run one decode step, retire finished rows; returns the
+        requests that finished in this step (with their output or their error)."""
         with self.lock:
             finished = self._admit()
             if self.running:
@@ -381,146 +406,95 @@ class Pool:
     def run(self) -> list[Handle]:
         """Step until no request waits or runs; returns every finished handle in finishing order."""
         done: list[Handle] = []
-        while not self.idle:
-            done += self.step()
+        with self.lock:
+            while not self.idle:
+                done += self.step()
         return done
 
     def _admit(self) -> list[Handle]:
         """Admit waiting requests up to ``max_batch`` rows: one prefill pass over all of them."""
-        joining = []
+        joining, failed = [], []
         while self.waiting and len(self.running) + len(joining) < self.max_batch:
-            joining.append(self.waiting.popleft())
+            h = self.waiting.popleft()
+            try:
+                h.admitted = self.clock()
+                h.request.begin(self.model, self.clock)
+                joining.append(h)
+            except Exception as err:  # e.g. its controller is held by another generation
+                h.request.fail(err)
+                failed.append(h)
+        done = [self._finish(h) for h in failed]
         if not joining:
-            return []
+            return done
         start = self.clock()
-        for h in joining:
-            h.admitted = start
-            h.request.begin(self.model, self.clock)
-        pres = self.target.add([h.request.ids for h in joining])
+        prompts = [h.request.ids for h in joining]
+        try:
+            pres = self.target.add(prompts, self.prefix_cache) if self.prefix_cache is not None else \
+                self.target.add(prompts)
+        except BaseException:  # the prefill itself failed: they wait again, unchanged
+            for h in reversed(joining):
+                h.request.release()
+                self.waiting.appendleft(h)
+            raise
         sync(self.target.device)
         now = self.clock()
         self.stats.prefill_s += now - start
         for h, pre in zip(joining, pres):
-            h.request.prefilled(pre, bool(self.target.taps), now)
+            h.request.prefilled(pre, bool(self.target.taps), now, self.target.reused)
             h.request.check_budget()  # (a prompt that fills the context has nothing to generate)
         self.running += joining
         if self.gate is not None:  # the joiners' first drafts catch up on their prompts
             self.gate.reset_warmth()
-        return self._retire()
+        return done + self._retire()
 
     def _step(self) -> list[Handle]:
-        clock, stats, rows = self.clock, self.stats, len(self.running)
-        cost = self.controller.cost if self.controller is not None else None
-        if cost is not None:
-            cost.rows = rows
+        stats, rows = self.stats, len(self.running)
         drafting = self.controller is not None and (self.gate is None or self.gate.draft(rows))
-        t0 = clock()
-        trees, draft_s = self._draft(drafting)
-        t1 = clock()
-        scored = self.target.forward_trees(trees)
-        sync(self.target.device)
-        t2 = clock()
-        verdicts = [h.request.settle(tree, out.logits) for h, tree, out in zip(self.running, trees, scored)]
-        t3 = clock()
-        self.target.commit([v.path for v in verdicts])
-        sync(self.target.device)
-        t4 = clock()
-        n_max, width = max(t.num_nodes for t in trees), self.target.width
+        t0 = self.clock()
+        report = step(self.target, [h.request for h in self.running], self.clock,
+                      cost=self.controller.cost if self.controller is not None else None, drafting=drafting,
+                      budget=self.controller is not None)
+        seconds = self.clock() - t0
+        trees, width = report.trees, max(self.target.lengths, default=0)
         stats.steps += 1
         stats.rows_per_step.append(rows)
-        stats.draft_s += sum(draft_s)
-        stats.pass_s, stats.verify_s, stats.commit_s = stats.pass_s + t2 - t1, stats.verify_s + t3 - t2, stats.commit_s + t4 - t3
-        stats.pass_tokens += rows * n_max
+        stats.draft_s += sum(report.draft_s)
+        stats.pass_s += report.pass_s
+        stats.verify_s += report.verify_s
+        stats.commit_s += report.commit_s
+        stats.pass_tokens += rows * max(t.num_nodes for t in trees)
         stats.real_tokens += sum(t.num_nodes for t in trees)
         stats.slots += rows * width
         stats.hole_slots += rows * width - sum(self.target.lengths)
-        verify_s = t4 - t1
-        if cost is not None:
-            cost.record_verify(n_max, verify_s / rows)
-        emitted = 0
-        for h, tree, verdict, out, d in zip(self.running, trees, verdicts, scored, draft_s):
-            emitted += len(h.request.advance(tree, verdict, out.hidden, out.taps, d, verify_s, t4, None))
-            h.request.check_budget()
         if self.gate is not None:
-            self.gate.record(rows, drafting, emitted, t4 - t0)
+            self.gate.record(rows, drafting, report.emitted, seconds)
         return self._retire()
-
-    def _draft(self, drafting: bool) -> tuple[list[DraftTree], list[float]]:
-        """Every row's tree for this step and each row's drafting seconds (its controller's own
-        decision time included): each row's controller plans its arm, then every member drafts for all the rows that asked it in one
-        :meth:`~selfspec.drafters.base.Drafter.propose_many` call (its seconds shared evenly by
-        those rows), and each row's controller assembles its tree."""
-        plans, calls, deciding = [], {}, []  # deciding: each row's own controller seconds (plan, assemble)
-        for b, h in enumerate(self.running):
-            t = self.clock()
-            ctx = h.request.context(draft=drafting)
-            plan = None if ctx is None else h.request.controller.plan(ctx)
-            plans.append(plan)
-            deciding.append(self.clock() - t)
-            for m, mctx in plan or ():
-                calls.setdefault(m, []).append((b, mctx))
-        results: list[list] = [[] for _ in self.running]
-        for m, asked in sorted(calls.items()):
-            drafters = [self.running[b].request.controller.members[m] for b, _ in asked]
-            t = self.clock()
-            proposals = type(drafters[0]).propose_many(drafters, [mctx for _, mctx in asked])
-            share = (self.clock() - t) / len(asked)
-            for (b, _), proposal in zip(asked, proposals):
-                results[b].append((m, proposal, share))
-        trees, seconds = [], []
-        for h, plan, got, spent in zip(self.running, plans, results, deciding):
-            if plan is None:
-                trees.append(DraftTree.root_only(int(h.request.tokens[h.request.length - 1])))
-                seconds.append(spent)
-                continue
-            t = self.clock()
-            order = {m: i for i, (m, _) in enumerate(plan)}
-            got.sort(key=lambda r: order[r[0]])
-            trees.append(h.request.controller.assemble([(p, s) for _, p, s in got]).tree)
-            seconds.append(spent + self.clock() - t + sum(s for _, _, s in got))
-        if self.controller is not None and len(trees) > 1 and not self.controller.config.fixed:
-            trees = self._budget(trees, sum(seconds))
-        return trees, seconds
-
-    def _budget(self, trees: list[DraftTree], draft_s: float) -> list[DraftTree]:
-        """One node budget N for every row's tree (module docstring): the N with the most expected
-        tokens per second of the pass (``draft_s`` already spent), each row keeping its uncuttable
-        nodes and its best others up to N; rows over N are cut by their controllers."""
-        offers = [h.request.controller.offer() if t.num_nodes > 1 else None for h, t in zip(self.running, trees)]
-        if not any(offers):
-            return trees
-        rows, cost = len(trees), self.controller.cost
-        low = max(len(o[0]) for o in offers if o)
-        high = max(t.num_nodes - 1 for t in trees)
-        best, best_n = -1.0, high
-        for n in range(low, high + 1):
-            tokens = float(rows)
-            for o in offers:
-                if o:
-                    fixed, ranked = o
-                    tokens += sum(fixed) + sum(ranked[: n - len(fixed)])
-            rate = tokens / (draft_s + rows * cost.verify(n + 1))
-            if rate > best:
-                best, best_n = rate, n
-        return [h.request.controller.cut(best_n) if o and t.num_nodes - 1 > best_n else t
-                for h, t, o in zip(self.running, trees, offers)]
 
     def _retire(self) -> list[Handle]:
         done = [i for i, h in enumerate(self.running) if h.request.done]
         if not done:
             return []
+        if self.prefix_cache is not None:  # the committed state of prompt + output, for the next call
+            for i in done:
+                req = self.running[i].request
+                if req.error is None:
+                    keep = min(req.length - 1, self.target.lengths[i])
+                    taps = req.taps
+                    self.prefix_cache.store(req.tokens[:keep], self.target.cache,
+                                            None if taps is None else taps.committed(keep), self.target.taps)
         t = self.clock()
         keep = [i for i in range(len(self.running)) if i not in done]
         self.target.keep(keep)
         self.stats.leave_s += self.clock() - t
-        out = []
-        for i in done:
-            h = self.running[i]
-            h.finished = self.clock()
-            h.output = h.request.close(h.finished)
-            out.append(h)
+        out = [self._finish(self.running[i]) for i in done]
         self.running = [self.running[i] for i in keep]
         return out
+
+    def _finish(self, h: Handle) -> Handle:
+        h.finished = self.clock()
+        output = h.request.close(h.finished)
+        h.output, h.error = (output, None) if h.request.error is None else (None, h.request.error)
+        return h
 
 
 @dataclass
@@ -587,11 +561,12 @@ def generate_batch(model, prompts: list[torch.Tensor], *, drafter=None, control=
                    streamers=None, **options) -> BatchOutput:
     """Decode several prompts together (all rows start at once; see :class:`Pool`). ``seed``:
     row b samples from ``seed + b``; ``generator``: every row draws from it (in row order), so
-    rows' draws depend on each other's steps; neither: fresh random seeds."""
+    rows' draws depend on each other's steps; neither: fresh random seeds. When a row's own code
+    raised, the first such error is raised once every other row has finished."""
     pool, handles = batch_pool(model, prompts, drafter=drafter, control=control, seed=seed, generator=generator,
                                streamers=streamers, **options)
     pool.run()
-    return BatchOutput([h.output for h in handles], pool.stats)
+    return BatchOutput([h.result() for h in handles], pool.stats)
 
 
 def batch_pool(model, prompts: list[torch.Tensor], *, drafter=None, control=None, seed=None, generator=None,

@@ -121,7 +121,7 @@ def _batch(model, input_ids, mask, drafter, control, seed, logits_processor, sto
         handles.append(pool.submit(ids, seed=seed + b, logits_processor=processors, stopping_criteria=criteria,
                                    **common))
     pool.run()
-    new = [h.output.sequences[0, r.shape[0]:].to(input_ids.device) for h, r in zip(handles, rows)]
+    new = [h.result().sequences[0, r.shape[0]:].to(input_ids.device) for h, r in zip(handles, rows)]
     longest = max(t.shape[0] for t in new)
     pad = _pad_token(generation_config)
     if pad is None and any(t.shape[0] < longest for t in new):

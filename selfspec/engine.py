@@ -1,38 +1,34 @@
-"""The decode loop and the public ``selfspec.generate``.
+"""The public ``selfspec.generate`` and ``selfspec.stream``.
 
-One step: the drafter proposes a tree rooted at the last committed token, the target scores the
-whole tree in one forward (:class:`selfspec.target.TreeTarget`), the pure verifier accepts a path
-and emits one recovered or bonus token (:mod:`selfspec.verify`), and the KV cache is compacted to
-the accepted path. ``drafter=None`` proposes root-only trees: plain one-token decoding through the
-same loop, the fair baseline for speed comparisons.
+Both decode through a :class:`selfspec.batch.Pool`: one prompt is a pool of one row, several
+prompts a batch; every step is the one decode step (:mod:`selfspec.step`): the drafter proposes a
+tree rooted at the last committed token, the target scores the whole tree in one forward, the
+pure verifier accepts a path and emits one recovered or bonus token (:mod:`selfspec.verify`), and
+the KV cache keeps only the accepted path. ``drafter=None`` proposes root-only trees: plain
+one-token decoding through the same step, the fair baseline for speed comparisons.
 
 Invariants: every emitted token is distributed exactly as plain sampling from the target (greedy:
 token-identical to plain greedy, up to floating-point differences between batched and sequential
 kernels); generation never emits more than ``max_new_tokens``, ends right after the first EOS, and
-never runs past the model's context. All input checks happen here, once, at the public boundary.
+never runs past the model's context. Arguments are checked here, before anything runs.
 """
 
 from __future__ import annotations
 
-import contextlib
+import queue
 import threading
-import time
 import weakref
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
+from .batch import BatchOutput, Pool, batch_pool, generate_batch, split_prompts
 from .control import ControlConfig, Controller
 from .drafters.base import Drafter
-from .request import (Request, Settings, SpecOutput, check_prompt, controller_for, model_lock, sampling,
-                      settings, sync)
-from .sampling import SamplingConfig
-from .target import TreeTarget, context_length
+from .request import SpecOutput
 
-if TYPE_CHECKING:
-    from .batch import BatchOutput
-
-_sampling = sampling  # (the name the tests use)
+#: Steps a stream's worker may run ahead of its consumer before it waits.
+STREAM_AHEAD = 8
 
 
 def generate(
@@ -60,6 +56,11 @@ def generate(
     attention_mask=None,
 ) -> "SpecOutput | BatchOutput":
     """Generate from a transformers causal LM, speculatively when a drafter is given.
+
+    Returns a :class:`~selfspec.request.SpecOutput` for one prompt and a
+    :class:`~selfspec.batch.BatchOutput` for several (as ``model.generate`` returns one layout
+    for either, the type follows the input: a ``[L]`` / ``[1, L]`` prompt is one, a list of
+    prompts or ``[B, L]`` ids with ``B > 1`` are several).
 
     Args:
         model: an unmodified transformers causal LM (``model(input_ids, attention_mask,
@@ -117,31 +118,33 @@ def generate(
         ValueError: bad sampling parameters, empty / out-of-vocabulary / over-long prompt,
             ``max_new_tokens < 1``, or a drafter built for another model.
     """
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                   eos_token_id=eos_token_id, tools=tools, constraint=constraint, generation_config=generation_config,
+                   logits_processor=logits_processor, stopping_criteria=stopping_criteria, stop_strings=stop_strings,
+                   tokenizer=tokenizer)
     prompts = _several(input_ids, attention_mask)
     if prompts is not None:
-        from .batch import generate_batch
-
         if streamer is not None or prefix_cache is not None:
             raise ValueError("streamer and prefix_cache take one prompt; for several, use selfspec.batch.Pool "
                              "(a streamer per request)")
         return generate_batch(model, prompts, drafter=drafter, control=control, seed=seed, generator=generator,
-                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              eos_token_id=eos_token_id, tools=tools, constraint=constraint,
-                              generation_config=generation_config, logits_processor=logits_processor,
-                              stopping_criteria=stopping_criteria, stop_strings=stop_strings, tokenizer=tokenizer)
-    input_ids = _one(input_ids, attention_mask)
-    run = _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, generator,
-                   eos_token_id, control, prefix_cache, tools, constraint, generation_config, logits_processor,
-                   stopping_criteria, stop_strings, tokenizer)
-    out = decode(**run, streamer=streamer)
+                              **options)
+    pool, handle = _single(model, _one(input_ids, attention_mask), drafter, control, prefix_cache, streamer,
+                           seed=seed, generator=generator, **options)
+    pool.run()
+    out = handle.result()
     out.sequences = out.sequences.to(input_ids.device if torch.is_tensor(input_ids) else "cpu")
     return out
 
 
+def _single(model, input_ids, drafter, control, prefix_cache, streamer, **options):
+    """A pool of one row with the prompt submitted (every argument checked), not run."""
+    pool = Pool(model, drafter, control=control, max_batch=1, prefix_cache=prefix_cache)
+    return pool, pool.submit(input_ids, streamer=streamer, **options)
+
+
 def _several(input_ids, attention_mask):
     """The prompts of a batch call as a list of ``[L_b]`` tensors, or ``None`` for one prompt."""
-    from .batch import split_prompts
-
     batch = (isinstance(input_ids, (list, tuple)) and len(input_ids) > 0
              and isinstance(input_ids[0], (list, tuple, torch.Tensor)))
     batch = batch or (torch.is_tensor(input_ids) and input_ids.dim() == 2 and input_ids.shape[0] > 1)
@@ -154,8 +157,6 @@ def _one(input_ids, attention_mask):
     """One prompt, its padding (if any) removed."""
     if attention_mask is None:
         return input_ids
-    from .batch import split_prompts
-
     ids = torch.as_tensor(input_ids)
     return split_prompts(ids.reshape(1, -1), torch.as_tensor(attention_mask).reshape(1, -1))[0].reshape(ids.shape[:-1] + (-1,))
 
@@ -181,17 +182,16 @@ def stream(model, input_ids, **kwargs) -> "SpecStream":
     device = input_ids.device if torch.is_tensor(input_ids) else torch.device("cpu")
     mask = args.pop("attention_mask")
     prompts = _several(args["input_ids"], mask)
+    streamer, prefix_cache = args.pop("streamer"), args.pop("prefix_cache")
+    model, drafter, control = args.pop("model"), args.pop("drafter"), args.pop("control")
+    args.pop("input_ids")
     if prompts is not None:
-        from .batch import batch_pool
-
-        if args["streamer"] is not None or args["prefix_cache"] is not None:
+        if streamer is not None or prefix_cache is not None:
             raise ValueError("streamer and prefix_cache take one prompt; a batch's stream yields (row, tokens)")
-        for name in ("model", "input_ids", "streamer", "prefix_cache"):
-            args.pop(name)
-        return SpecStream(dict(pool=batch_pool(model, prompts, **args)), None, device)
-    args["input_ids"] = _one(args["input_ids"], mask)
-    streamer = args.pop("streamer")
-    return SpecStream(_prepare(**args), streamer, device)
+        pool, handles = batch_pool(model, prompts, drafter=drafter, control=control, **args)
+        return SpecStream(pool, handles, None, device, batch=True)
+    pool, handle = _single(model, _one(input_ids, mask), drafter, control, prefix_cache, None, **args)
+    return SpecStream(pool, [handle], streamer, device, batch=False)
 
 
 class _Stopped(Exception):
@@ -199,40 +199,37 @@ class _Stopped(Exception):
 
 
 class SpecStream:
-    """Iterator of :func:`stream`: yields each step's tokens; ``.output`` when done."""
+    """Iterator of :func:`stream`: yields each step's tokens; ``.output`` when done. The worker
+    runs at most :data:`STREAM_AHEAD` steps ahead of the consumer, then waits for it."""
 
     _END = object()
 
-    def __init__(self, run: dict, streamer, device):
-        import queue
-
-        self.output: SpecOutput | None = None
-        self._queue: "queue.Queue" = queue.Queue()
+    def __init__(self, pool: Pool, handles: list, streamer, device, batch: bool):
+        self.output: SpecOutput | BatchOutput | None = None
+        self._queue: "queue.Queue" = queue.Queue(maxsize=STREAM_AHEAD)
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._streamer, self._device = streamer, device
-        self._prompt_seen: set = set()  # the engine puts each row's prompt first, as model.generate does
-        # the worker holds only a weak reference to this iterator, so dropping it stops the worker
-        self._thread = threading.Thread(target=_stream_work, args=(weakref.ref(self), run, self._stop, self._queue),
-                                        daemon=True)
+        pending: list = []  # what the step just committed, queued by the worker between steps
+        for b, h in enumerate(handles):
+            # the worker holds only a weak reference to this iterator, so dropping it stops the worker
+            h.request.streamer = _StreamProxy(weakref.ref(self), self._stop, pending, b if batch else None)
+        self._thread = threading.Thread(target=_stream_work, args=(weakref.ref(self), pool, handles, batch,
+                                                                   self._stop, self._queue, pending), daemon=True)
         self._thread.start()
 
-    def put(self, value: torch.Tensor, row: int | None = None) -> None:  # the engine's streamer interface
-        if row in self._prompt_seen:
-            self._queue.put(value.tolist() if row is None else (row, value.tolist()))
-        self._prompt_seen.add(row)
-        if self._streamer is not None:
-            self._streamer.put(value)
-
-    def end(self) -> None:
-        if self._streamer is not None:
-            self._streamer.end()
-
     def close(self) -> None:
-        """Stop generating (at the next step) and wait for the worker to finish."""
+        """Stop generating (at the next step) and wait for the worker to finish; what was not
+        read yet is dropped."""
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
+            while True:
+                try:
+                    self._queue.put_nowait(self._END)
+                    return
+                except queue.Full:
+                    self._queue.get_nowait()
 
     def __enter__(self) -> "SpecStream":
         return self
@@ -259,36 +256,53 @@ class SpecStream:
 
 
 class _StreamProxy:
-    """The engine's streamer inside a stream's worker: forwards to the iterator while it lives."""
+    """A request's streamer inside a stream's worker: the prompt is skipped (the engine puts each
+    row's prompt first, as ``model.generate`` does), every later put goes to the caller's
+    streamer (if any) and to ``pending``, which the worker moves into the bounded queue between
+    steps (outside the model's lock); raises :class:`_Stopped` once the consumer closed or
+    dropped the iterator."""
 
-    def __init__(self, ref, stop: threading.Event, row: int | None = None):
-        self.ref, self.stop, self.row = ref, stop, row
+    def __init__(self, ref, stop: threading.Event, pending: list, row: int | None):
+        self.ref, self.stop, self.pending, self.row, self.seen_prompt = ref, stop, pending, row, False
 
     def put(self, value) -> None:
         it = self.ref()
         if it is None or self.stop.is_set():
             raise _Stopped
-        it.put(value, self.row)
+        if it._streamer is not None:
+            it._streamer.put(value)
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        self.pending.append(value.tolist() if self.row is None else (self.row, value.tolist()))
 
     def end(self) -> None:
         it = self.ref()
-        if it is not None:
-            it.end()
+        if it is not None and it._streamer is not None:
+            it._streamer.end()
 
 
-def _stream_work(ref, run: dict, stop: threading.Event, q) -> None:
+def _offer(q: "queue.Queue", item, ref, stop: threading.Event) -> None:
+    """Put ``item`` on the bounded queue, waiting while it is full; :class:`_Stopped` once the
+    consumer is gone."""
+    while True:
+        try:
+            q.put(item, timeout=0.05)
+            return
+        except queue.Full:
+            if ref() is None or stop.is_set():
+                raise _Stopped from None
+
+
+def _stream_work(ref, pool: Pool, handles: list, batch: bool, stop: threading.Event, q, pending: list) -> None:
     out, error = None, None
     try:
-        if "pool" in run:
-            from .batch import BatchOutput
-
-            pool, handles = run["pool"]
-            for b, h in enumerate(handles):
-                h.request.streamer = _StreamProxy(ref, stop, b)
-            pool.run()
-            out = BatchOutput([h.output for h in handles], pool.stats)
-        else:
-            out = decode(**run, streamer=_StreamProxy(ref, stop))
+        while not pool.idle:
+            pool.step()
+            while pending:
+                _offer(q, pending.pop(0), ref, stop)
+        results = [h.result() for h in handles]
+        out = BatchOutput(results, pool.stats) if batch else results[0]
     except _Stopped:
         pass
     except BaseException as exc:  # handed to the consumer
@@ -297,102 +311,12 @@ def _stream_work(ref, run: dict, stop: threading.Event, q) -> None:
         it = ref()
         if it is not None:
             if out is not None:
-                if hasattr(out, "outputs"):
-                    for o in out.outputs:
-                        o.sequences = o.sequences.to(it._device)
-                else:
-                    out.sequences = out.sequences.to(it._device)
+                for o in (out.outputs if batch else [out]):
+                    o.sequences = o.sequences.to(it._device)
                 it.output = out
             it._error = error
-        q.put(SpecStream._END)
-
-
-def _prepare(model, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, generator,
-             eos_token_id, control=None, prefix_cache=None, tools=None, constraint=None, generation_config=None,
-             logits_processor=None, stopping_criteria=None, stop_strings=None, tokenizer=None) -> dict:
-    """Check every argument of :func:`generate` and return ``decode``'s arguments."""
-    s = settings(model, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                 generator=generator, eos_token_id=eos_token_id, generation_config=generation_config,
-                 logits_processor=logits_processor, stopping_criteria=stopping_criteria, stop_strings=stop_strings,
-                 tokenizer=tokenizer, constraint=constraint, tools=tools)
-    ids = check_prompt(model, input_ids)
-    controller = controller_for(drafter, control)
-    if controller is not None:
-        controller.check_target(model)
-    if prefix_cache is not None:
-        from .prefix_cache import PrefixCache
-
-        if not isinstance(prefix_cache, PrefixCache):
-            raise ValueError(f"prefix_cache must be a selfspec PrefixCache, got {type(prefix_cache).__name__}")
-        prefix_cache.check_model(model)
-    needs = controller.requires if controller is not None else None
-    target = TreeTarget(model, want_hidden=needs is not None and needs.hidden, taps=needs.taps if needs else ())
-    limit = context_length(model) or ids.shape[0] + s.max_new_tokens
-    return dict(target=target, ids=ids, controller=controller, cfg=s.cfg, gen=s.gen, max_new_tokens=s.max_new_tokens,
-                eos=s.eos, context_limit=limit, prefix_cache=prefix_cache, constraint=s.constraint, tools=s.tools,
-                lock=model_lock(model), logits_processor=s.logits_processor, stopping_criteria=s.stopping_criteria)
-
-
-def decode(
-    target,
-    ids: torch.Tensor,
-    controller: Controller | None,
-    cfg: SamplingConfig,
-    gen: torch.Generator,
-    max_new_tokens: int,
-    eos: set[int],
-    context_limit: int,
-    clock=time.perf_counter,
-    streamer=None,
-    prefix_cache=None,
-    constraint=None,
-    tools=None,
-    lock=None,
-    logits_processor=None,
-    stopping_criteria=None,
-) -> SpecOutput:
-    """The speculative loop over an already validated prompt.
-
-    ``target`` is anything with ``prefill``, ``forward_tree``, ``commit`` and ``prefix_len`` like
-    :class:`TreeTarget` (tests plug in cheap table-driven targets). ``ids``: ``[L]`` on the CPU.
-    ``controller`` (optional) proposes each step's tree from seconds read off
-    ``clock`` (tests inject a deterministic one); ``None``: plain steps. ``streamer`` (optional,
-    ``put`` / ``end``) gets the prompt ``[1, L]``, then each step's new tokens ``[k]``, then
-    ``end()``. ``prefix_cache`` (optional): reuse and store the target's committed state across
-    calls (:mod:`selfspec.prefix_cache`). ``constraint`` (optional): a token mask applied at every
-    tree node before verification (:mod:`selfspec.constraint`). ``lock`` (optional): held for the
-    whole generation (:func:`model_lock`). ``logits_processor`` / ``stopping_criteria`` (optional):
-    applied per tree node / after every new token (:mod:`selfspec.logits_processing`).
-    """
-    with lock if lock is not None else contextlib.nullcontext():
-        return _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit, clock, streamer,
-                       prefix_cache, constraint, tools, logits_processor, stopping_criteria)
-
-
-
-
-def _decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit, clock, streamer, prefix_cache,
-            constraint, tools, processor=None, stopping=None) -> SpecOutput:
-    req = Request(ids, controller, Settings(cfg, gen, max_new_tokens, eos, context_limit, processor, stopping,
-                                            constraint, tools), streamer)
-    req.begin(getattr(target, "model", None), clock)
-    share = controller is not None and controller.requires.target_cache and getattr(target, "supports_handoff", False)
-    pre = target.prefill(ids, prefix_cache) if prefix_cache is not None else target.prefill(ids)
-    sync(getattr(target, "device", None))
-    req.prefilled(pre, bool(getattr(target, "taps", ())), clock(), getattr(target, "reused", 0))
-    while req.check_budget():
-        t0 = clock()
-        tree, handoff = req.propose(clock, target.cache if share else None)
-        t1 = clock()
-        prefix = target.prefix_len
-        scored = target.forward_tree(tree, handoff) if handoff is not None else target.forward_tree(tree)
-        verdict = req.settle(tree, scored.logits)
-        target.commit(verdict.path, prefix)
-        sync(getattr(target, "device", None))
-        t2 = clock()
-        req.advance(tree, verdict, scored.hidden, scored.taps, t1 - t0, t2 - t1, t2, t2 - t1)
-    if prefix_cache is not None:  # the committed state of prompt + output, for the next call
-        keep = min(req.length - 1, target.prefix_len)
-        taps = req.taps
-        prefix_cache.store(req.tokens[:keep], target.cache, None if taps is None else taps.committed(keep), target.taps)
-    return req.close(clock())
+            del it
+            try:
+                _offer(q, SpecStream._END, ref, stop)
+            except _Stopped:
+                pass

@@ -1,16 +1,19 @@
 """One request's decoding: its validated settings and the per-step logic of one sequence.
 
-The single-sequence loop (:func:`selfspec.engine.decode`) and the batch
-(:mod:`selfspec.batch`) run the same step on every sequence through a :class:`Request`:
+The decode step (:func:`selfspec.step.step`) runs the same phases on every request of a pool:
 
-1. :meth:`Request.propose`: its controller drafts a tree from its committed tokens (a root-only
-   tree when it has no controller or one token of budget left);
-2. the caller scores the tree with the target (alone, or beside other rows' trees in one pass);
+1. :meth:`Request.context`: what its controller's drafters see (``None``: a plain step, when it
+   has no controller or one token of budget left);
+2. the step scores every request's tree with the target in one pass;
 3. :meth:`Request.settle`: the constraint mask and logits processors at every node, then the pure
-   verifier with the request's own sampling settings and generator;
-4. the caller commits the accepted path to the request's cache;
-5. :meth:`Request.advance`: the new tokens (cut at EOS, stop criteria and the budget), stats, the
-   drafter's features for the next step, the streamer, and the controller's observation.
+   verifier with the request's own sampling settings and generator; :meth:`Request.take`: the
+   new tokens (cut at EOS, stop criteria);
+4. the step commits every accepted path to the target's cache;
+5. :meth:`Request.advance`: stats, the drafter's features for the next step, the streamer, and
+   the controller's observation.
+
+A request whose own code (drafter, constraint, processors, stopping criteria, streamer) raises is
+ended with that error (:meth:`Request.fail`); nothing else in the pool changes.
 
 Invariant: a request's output depends only on its own prompt, settings, generator and the logits
 the target gives its tree nodes, so it is the same whether it ran alone or in a batch (greedy:
@@ -52,7 +55,15 @@ class SpecOutput:
 
 @dataclass
 class Settings:
-    """A request's validated decoding settings (built by :func:`settings`)."""
+    """A request's validated decoding settings (built by :func:`settings`).
+
+    Attributes:
+        cfg: the target's sampling law; ``gen``: the request's own generator.
+        max_new_tokens: most tokens to emit; ``eos``: stop token ids.
+        context_limit: most positions prompt + output may fill.
+        logits_processor / stopping_criteria: transformers lists (or ``None``); ``constraint``: a
+            :class:`~selfspec.constraint.Constraint`; ``tools``: validated tool definitions.
+    """
 
     cfg: SamplingConfig
     gen: torch.Generator
@@ -87,6 +98,15 @@ class Request:
         self.root_hidden = None
         self.taps: _TapBuffer | None = None
         self.start_s = 0.0
+        self.error: BaseException | None = None
+        self._holds_controller = False
+
+    @classmethod
+    def create(cls, model, input_ids, controller: Controller | None = None, streamer=None, **options) -> "Request":
+        """A request for ``model`` from :func:`selfspec.generate`'s per-request arguments, every
+        one checked here (``ValueError`` / ``TypeError`` naming it)."""
+        ids = check_prompt(model, input_ids)
+        return cls(ids, controller, settings(model, ids.shape[0], **options), streamer)
 
     @property
     def prompt_len(self) -> int:
@@ -97,9 +117,11 @@ class Request:
         return self.finish is not None
 
     def begin(self, model, clock) -> None:
-        """Before the prefill: reset the controller's members and the constraint, stream the
-        prompt, start the clock."""
+        """Before the prefill: hold the controller (refused while another generation holds it),
+        reset its members and the constraint, stream the prompt, start the clock."""
         if self.controller is not None:
+            self.controller.acquire()
+            self._holds_controller = True
             self.controller.begin(model)
         if self.streamer is not None:
             self.streamer.put(self.ids[None].clone())
@@ -126,16 +148,6 @@ class Request:
             self.finish = "context"
         return not self.done
 
-    def propose(self, clock, cache=None, draft: bool = True):
-        """``(tree, handoff)`` for this step (``cache``: the target's, for a drafter that runs the
-        target's first layers in it; only when the request decodes alone; ``draft=False``: a
-        plain step, the controller not asked)."""
-        ctx = self.context(cache, draft)
-        if ctx is None:
-            return DraftTree.root_only(int(self.tokens[self.length - 1])), None
-        proposal = self.controller.propose(ctx, clock)
-        return proposal.tree, proposal.handoff
-
     def context(self, cache=None, draft: bool = True) -> DraftContext | None:
         """What this step's drafters see (:meth:`propose`), or ``None`` for a plain step (no
         controller, no room for a draft, or ``draft=False``)."""
@@ -159,25 +171,28 @@ class Request:
             logits = process_tree(s.logits_processor, self.tokens[: self.length], tree, logits)
         return verify_tree(tree, logits, s.cfg, s.gen)
 
-    def advance(self, tree: DraftTree, verdict: Verdict, hidden, taps, draft_s: float, verify_s: float,
-                now: float, controller_verify_s: float | None = None) -> list[int]:
-        """Take the step's tokens (cut at EOS, stop criteria), update stats and features, stream
-        them, and show the step to the controller. ``hidden`` / ``taps``: this tree's rows of the
-        pass (``[n, H]`` / ``[n, D]`` or ``None``); ``controller_verify_s``: the seconds the
-        controller records for the pass (``None`` when the caller records passes itself).
-        Returns the committed tokens."""
+    def take(self, tree: DraftTree, verdict: Verdict) -> tuple[list[int], str | None]:
+        """``(tokens, finish)``: the step's new tokens, cut after the first EOS or where a
+        stopping criterion says stop (``finish`` then ``"eos"`` / ``"stop"``, else ``None``)."""
         new = tree.tokens[verdict.path[1:]].tolist() + [verdict.next_token]
         cut = next((i + 1 for i, t in enumerate(new) if t in self.s.eos), None)
-        new = new[:cut]
-        stop = None
+        new, finish = new[:cut], None if cut is None else "eos"
         if self.s.stopping_criteria is not None:
             stop = first_stop(self.s.stopping_criteria, self.tokens[: self.length], new)
-        if stop is not None:
-            new, cut = new[:stop], stop
-        self.tokens[self.length: self.length + len(new)] = torch.tensor(new)
+            if stop is not None:
+                new, finish = new[:stop], "stop"
+        return new, finish
+
+    def advance(self, tree: DraftTree, verdict: Verdict, taken: tuple[list[int], str | None], plan,
+                hidden, taps, draft_s: float, verify_s: float, now: float) -> list[int]:
+        """Commit the step's tokens (``taken``: :meth:`take`'s), update stats and features, stream
+        them, and show the step to the controller (``plan``: its
+        :class:`~selfspec.control.controller.StepPlan`, ``None`` on a step it did not plan).
+        ``hidden`` / ``taps``: this tree's rows of the pass (``[n, H]`` / ``[n, D]`` or ``None``);
+        ``verify_s``: this row's share of the pass. Returns the committed tokens."""
+        new, finish = taken
+        self.tokens[self.length: self.length + len(new)] = torch.tensor(new, dtype=torch.long)
         self.length += len(new)
-        if self.streamer is not None:
-            self.streamer.put(torch.tensor(new))
         stats = self.stats
         tested_next = len(tree.children[verdict.path[-1]]) > 0 and not verdict.bonus
         stats.record_step(verdict.num_accepted, tested_next, len(new), tree.num_nodes - 1)
@@ -190,20 +205,42 @@ class Request:
             self.root_hidden = hidden[verdict.path[-1]]
         if taps is not None and self.taps is not None:
             self.taps.append(taps[verdict.path])
+        if finish is not None:
+            self.finish = finish
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor(new, dtype=torch.long))
         if self.controller is not None:
-            self.controller.observe(tree, verdict, new, controller_verify_s)
-        if cut is not None:
-            self.finish = "stop" if stop is not None else "eos"
+            self.controller.observe(plan, tree, verdict, new, verify_s)
         return new
 
+    def fail(self, error: BaseException) -> None:
+        """End this request with ``error`` (raised by its own drafter, constraint, processors,
+        stopping criteria or streamer); it leaves the pool at the step's end."""
+        if self.error is None:
+            self.error = error
+        self.finish = "error"
+
+    def release(self) -> None:
+        """Let go of the controller (after :meth:`close` or a failure)."""
+        if self._holds_controller:
+            self._holds_controller = False
+            self.controller.release()
+
     def close(self, now: float) -> SpecOutput:
-        """End the generation: the controller's members see the output; the streamer ends."""
-        if self.finish is None:
-            self.finish = "length"
-        if self.controller is not None:
-            self.controller.end(self.tokens[: self.length], self.prompt_len)
-        if self.streamer is not None:
-            self.streamer.end()
+        """End the generation: the controller's members see the output; the streamer ends; the
+        controller is released. A failed request (:meth:`fail`) ends nothing: its error stands."""
+        try:
+            if self.error is None:
+                if self.finish is None:
+                    self.finish = "length"
+                if self.controller is not None:
+                    self.controller.end(self.tokens[: self.length], self.prompt_len)
+                if self.streamer is not None:
+                    self.streamer.end()
+        except Exception as err:  # (the request's own code: its error, nobody else's)
+            self.fail(err)
+        finally:
+            self.release()
         self.stats.wall_time_s = now - self.start_s
         return SpecOutput(self.tokens[None, : self.length].clone(), self.stats, self.finish)
 
@@ -230,11 +267,12 @@ class _TapBuffer:
 
 
 # ---------------------------------------------------------------------- argument checks
-def settings(model, *, max_new_tokens=None, temperature=None, top_k=None, top_p=None, seed=None, generator=None,
-             eos_token_id=None, generation_config=None, logits_processor=None, stopping_criteria=None,
+def settings(model, prompt_len: int, *, max_new_tokens=None, temperature=None, top_k=None, top_p=None, seed=None,
+             generator=None, eos_token_id=None, generation_config=None, logits_processor=None, stopping_criteria=None,
              stop_strings=None, tokenizer=None, constraint=None, tools=None) -> Settings:
-    """Check one request's decoding arguments (see :func:`selfspec.generate`) and return them
-    validated; every error is a ``ValueError`` naming the argument."""
+    """Check one request's decoding arguments (see :func:`selfspec.generate`) for a prompt of
+    ``prompt_len`` tokens and return them validated; every error is a ``ValueError`` naming the
+    argument."""
     check_constraint(constraint)
     cfg, processors, max_new_tokens = sampling(model, generation_config, temperature, top_k, top_p, max_new_tokens)
     processor = processor_list(processors, logits_processor)
@@ -246,8 +284,9 @@ def settings(model, *, max_new_tokens=None, temperature=None, top_k=None, top_p=
 
         tools = check_tools(tools)
     device = next(model.parameters()).device
+    limit = context_length(model) or prompt_len + max_new_tokens
     return Settings(cfg, make_generator(seed, generator, device), max_new_tokens, eos_ids(model, eos_token_id),
-                    0, processor, stopping, constraint, tools)
+                    limit, processor, stopping, constraint, tools)
 
 
 def check_constraint(constraint) -> None:
@@ -452,9 +491,3 @@ def eos_ids(model, eos_token_id) -> set[int]:
             raise ValueError(f"eos_token_id {t} is outside the vocabulary [0, {vocab})")
         out.add(int(t))
     return out
-
-
-def sync(device) -> None:
-    """Wait for queued CUDA work before reading a clock."""
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)

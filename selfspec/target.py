@@ -19,6 +19,7 @@ Masks: :mod:`selfspec.attention_mask`. No modeling code is copied or patched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -66,8 +67,70 @@ def context_length(model) -> int | None:
     return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
 
 
+def forward_model(model, decoder, inputs: dict, *, want_hidden: bool, taps: tuple[int, ...], logits: bool = True,
+                  select: torch.Tensor | None = None) -> TreeOutput:
+    """The one forward every target runs: the decoder then the model's LM head as its own matmul
+    when ``decoder`` is given (:func:`~selfspec.lm_head.head_matches_forward` proved it equal to the
+    model's forward), the full forward otherwise. ``inputs``: the model's keyword arguments for
+    ``[B, N]`` tokens. Returns flattened ``[B * N, ...]`` rows (``select``: only these flat rows),
+    ``logits`` ``None`` when not asked (a prefill), ``hidden`` when ``want_hidden`` (with a
+    decoder it is always computed), ``taps`` when ``taps`` are asked."""
+    with capture_taps(model, taps) as record:
+        if decoder is not None:
+            hidden = decoder(**inputs).last_hidden_state.flatten(0, 1)
+            hidden = hidden if select is None else hidden[select]
+            out_logits = lm_logits(model, hidden) if logits else None
+        else:
+            out = model(**inputs, output_hidden_states=want_hidden, **({} if logits else {"logits_to_keep": 1}))
+            out_logits = out.logits.flatten(0, 1) if logits else None
+            hidden = out.hidden_states[-1].flatten(0, 1) if want_hidden else None
+            if select is not None:
+                out_logits = out_logits[select] if out_logits is not None else None
+                hidden = hidden[select] if hidden is not None else None
+    tapped = record.get().flatten(0, 1) if taps else None
+    if tapped is not None and select is not None:
+        tapped = tapped[select]
+    return TreeOutput(out_logits, hidden if want_hidden else None, tapped)
+
+
+class Target(Protocol):
+    """What the decode step (:func:`selfspec.step.step`) needs from a target: draft trees of a
+    set of rows (one sequence each) scored in one pass.
+
+    Attributes:
+        rows: rows held; ``lengths[b]`` row b's committed cache slots (its tokens but its root).
+        taps: tap indices recorded by every pass (:mod:`selfspec.taps`); ``device`` its device.
+        supports_handoff: whether a drafter may run the target's first layers in ``cache`` (one
+            row only) and hand them over (:class:`LayerHandoff`).
+    """
+
+    rows: int
+    lengths: list[int]
+    taps: tuple[int, ...]
+    device: Any
+    supports_handoff: bool
+    cache: Any
+
+    def add(self, prompts: list[torch.Tensor]) -> list[TreeOutput]:
+        """Prefill new rows (``[L_b]`` each: all but the last token cached); their outputs."""
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in this order)."""
+
+    def forward_trees(self, trees: list[DraftTree], handoffs: list | None = None) -> list[TreeOutput]:
+        """One pass over every row's tree (``trees[b]`` rooted at row b's last token)."""
+
+    def commit(self, paths: list[list[int]]) -> None:
+        """Keep each row's accepted ``paths[b]`` (node indices, root first; ``[]`` rolls the row's
+        step back) after its committed slots."""
+
+    def rollback(self) -> None:
+        """Drop whatever a pass (or a drafter's handoff) appended since the last commit."""
+
+
 class TreeTarget:
-    """Runs a causal LM over draft trees for one sequence (batch size 1)."""
+    """Runs a causal LM over draft trees for one sequence (the :class:`Target` protocol with one
+    row, and the single-sequence helpers :meth:`prefill` / :meth:`forward_tree`)."""
 
     def __init__(self, model, *, want_hidden: bool = False, taps: tuple[int, ...] = ()):
         self.model = model
@@ -77,6 +140,8 @@ class TreeTarget:
         self.device, self.dtype = self.masks.device, self.masks.dtype
         self.cache = new_cache()
         self._prefix = 0
+        self.rows = 0
+        self.reused = 0
         self._upper: dict[int, LayerSlice] = {}
         # Decoder + our own LM-head matmul when that provably equals the model's forward (faster
         # for small trees on CPU, see selfspec.lm_head); the full forward otherwise.
@@ -92,6 +157,37 @@ class TreeTarget:
         """Committed (cached) positions."""
         return self._prefix
 
+    @property
+    def lengths(self) -> list[int]:
+        return [self._prefix] * self.rows
+
+    # ------------------------------------------------------------------ the Target protocol
+    def add(self, prompts: list[torch.Tensor], prefix_cache=None) -> list[TreeOutput]:
+        if self.rows or len(prompts) != 1:
+            raise ValueError(f"a TreeTarget holds one row; it has {self.rows} and got {len(prompts)} more")
+        out = self.prefill(prompts[0], prefix_cache)
+        self.rows = 1
+        return [out]
+
+    def keep(self, rows: list[int]) -> None:
+        if not rows:
+            self.rows, self.cache, self._prefix = 0, new_cache(), 0
+
+    def forward_trees(self, trees: list[DraftTree], handoffs: list | None = None) -> list[TreeOutput]:
+        if len(trees) != self.rows:
+            raise ValueError(f"got {len(trees)} trees for {self.rows} rows")
+        return [self.forward_tree(trees[0], handoffs[0] if handoffs else None)]
+
+    def commit(self, paths: list[list[int]]) -> None:
+        """Keep the KV of the accepted ``paths[0]`` after the committed slots."""
+        (path,) = paths
+        keep_path(self.cache, self._prefix, path)
+        self._prefix += len(path)
+
+    def rollback(self) -> None:
+        keep_path(self.cache, self._prefix, [])
+
+    # ------------------------------------------------------------------ one sequence
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, prefix_cache=None) -> TreeOutput:
         """Cache ``ids[:-1]`` (``ids``: ``[L]``); the last token is the first root.
@@ -117,18 +213,14 @@ class TreeTarget:
         positions = torch.arange(start, ids.shape[0] - 1, device=self.device)[None]
         inputs = dict(input_ids=ids[None, start:-1].to(self.device), position_ids=positions, cache=self.cache,
                       use_cache=True)
-        with capture_taps(self.model, self.taps) as record:
-            if self.decoder is not None:
-                last = self.decoder(**inputs).last_hidden_state[0, -1:]
-            else:
-                out = self.model(**inputs, output_hidden_states=self.want_hidden, logits_to_keep=1)
-                last = out.hidden_states[-1][0, -1:] if self.want_hidden else None
-        taps = record.get()[0] if self.taps else None
+        out = forward_model(self.model, self.decoder, inputs, want_hidden=self.want_hidden, taps=self.taps,
+                            logits=False)
+        taps = out.taps
         if taps is not None and cached_taps is not None:
             taps = torch.cat([cached_taps.to(taps), taps])
         if prefix_cache is not None:
             prefix_cache.store(ids[:-1], self.cache, taps, self.taps)
-        return TreeOutput(None, last if self.want_hidden else None, taps)
+        return TreeOutput(None, out.hidden[-1:] if self.want_hidden else None, taps)
 
     @torch.no_grad()
     def forward_tree(self, tree: DraftTree, handoff: LayerHandoff | None = None) -> TreeOutput:
@@ -155,14 +247,7 @@ class TreeTarget:
             return TreeOutput(lm_logits(self.model, hidden), hidden if self.want_hidden else None)
         inputs = dict(input_ids=tree.tokens[None].to(self.device), attention_mask=mask, position_ids=positions,
                       cache=self.cache, use_cache=True)
-        with capture_taps(self.model, self.taps) as record:
-            if self.decoder is not None:
-                hidden = self.decoder(**inputs).last_hidden_state[0]
-                logits = lm_logits(self.model, hidden)
-            else:
-                out = self.model(**inputs, output_hidden_states=self.want_hidden)
-                logits, hidden = out.logits[0], out.hidden_states[-1][0] if self.want_hidden else None
-        return TreeOutput(logits, hidden if self.want_hidden else None, record.get()[0] if self.taps else None)
+        return forward_model(self.model, self.decoder, inputs, want_hidden=self.want_hidden, taps=self.taps)
 
     def fork(self) -> "TreeTarget":
         """A new target on the same model whose cache is a copy of this one's (same committed
@@ -170,13 +255,8 @@ class TreeTarget:
         import copy
 
         other = TreeTarget(self.model, want_hidden=self.want_hidden, taps=self.taps)
-        other.cache, other._prefix = copy.deepcopy(self.cache), self._prefix
+        other.cache, other._prefix, other.rows = copy.deepcopy(self.cache), self._prefix, self.rows
         return other
-
-    def commit(self, path: list[int], prefix_len: int) -> None:
-        """Keep the KV of the accepted ``path`` after the ``prefix_len`` committed slots."""
-        keep_path(self.cache, prefix_len, path)
-        self._prefix = prefix_len + len(path)
 
     def tree_mask(self, tree: DraftTree, prefix_len: int):
         """The additive 4D mask ``[1, 1, n, prefix_len + n]`` (0 = visible, dtype min = hidden).

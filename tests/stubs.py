@@ -22,10 +22,28 @@ def fixed(drafter, **config):
     return Controller(drafter, ControlConfig(**({"fixed": True} | config)), cost=CostModel.flat())
 
 
+def decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit, clock=None, streamer=None,
+           constraint=None, logits_processor=None, stopping_criteria=None, tools=None):
+    """One prompt decoded on a stub ``target`` through the decode step (a pool of one row):
+    the request built by hand from validated settings, the output returned (its error raised)."""
+    import time
+
+    from selfspec.batch import Pool
+    from selfspec.request import Request, Settings
+
+    request = Request(torch.as_tensor(ids), None, Settings(cfg, gen, max_new_tokens, set(eos), context_limit,
+                                                            logits_processor, stopping_criteria, constraint, tools),
+                      streamer)
+    pool = Pool(None, controller, max_batch=1, clock=clock or time.perf_counter, target=target)
+    handle = pool.add(request)
+    pool.run()
+    return handle.result()
+
+
 class TableTarget:
     """A cheap target: logits depend on the last two tokens through a fixed random table.
 
-    Implements the ``prefill / forward_tree / commit / prefix_len`` protocol of ``TreeTarget``.
+    Implements the :class:`selfspec.target.Target` protocol for one row.
     """
 
     def __init__(self, vocab: int = 6, seed: int = 0, scale: float = 2.0, hidden_size: int = 0):
@@ -35,6 +53,8 @@ class TableTarget:
         self.hidden_table = torch.randn(vocab, vocab, hidden_size, generator=g, dtype=torch.float64)
         self.want_hidden = hidden_size > 0
         self.committed: list[int] = []
+        self.rows, self.reused, self.taps, self.device, self.cache = 0, 0, (), None, None
+        self.supports_handoff = False
 
     def logits_after(self, context: list[int]) -> torch.Tensor:
         return self.table[context[-2], context[-1]]
@@ -58,9 +78,29 @@ class TableTarget:
         hidden = torch.stack([self.hidden_table[c[-2], c[-1]] for c in paths]) if self.want_hidden else None
         return TreeOutput(torch.stack([self.logits_after(c) for c in paths]), hidden)
 
-    def commit(self, path: list[int], prefix_len: int) -> None:
-        assert prefix_len == len(self.committed)
+    def commit(self, paths: list[list[int]]) -> None:
+        (path,) = paths
         self.committed += self._tree.tokens[path].tolist()
+
+    # the Target protocol, one row
+    @property
+    def lengths(self) -> list[int]:
+        return [len(self.committed)] * self.rows
+
+    def add(self, prompts):
+        assert self.rows == 0 and len(prompts) == 1
+        self.rows = 1
+        return [self.prefill(prompts[0])]
+
+    def keep(self, rows):
+        if not rows:
+            self.rows, self.committed = 0, []
+
+    def forward_trees(self, trees, handoffs=None):
+        return [self.forward_tree(trees[0])]
+
+    def rollback(self) -> None:
+        pass
 
 
 class VirtualClock:

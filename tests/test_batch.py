@@ -152,11 +152,9 @@ def test_batch_inputs_are_checked():
 
 def test_a_rows_cost_share_falls_with_the_batch():
     cost = CostModel({1: 1.0, 8: 1.2, 64: 4.0})
-    alone_ = cost.verify(8)
-    cost.rows = 8
-    assert cost.verify(1) == pytest.approx(1.2 / 8)  # eight rows of one node: one pass of eight
-    assert cost.verify(8) == pytest.approx(4.0 / 8)  # eight rows of eight nodes
-    assert cost.verify(8) / cost.verify(1) > alone_ / cost.__class__({1: 1.0, 8: 1.2, 64: 4.0}).verify(1)
+    assert cost.verify(1, rows=8) == pytest.approx(1.2 / 8)  # eight rows of one node: one pass of eight
+    assert cost.verify(8, rows=8) == pytest.approx(4.0 / 8)  # eight rows of eight nodes
+    assert cost.verify(8, rows=8) / cost.verify(1, rows=8) > cost.verify(8) / cost.verify(1)
 
 
 def test_the_batch_gate_runs_plain_steps_while_speculation_measures_slower():
@@ -190,9 +188,9 @@ def test_the_batch_budget_cuts_rows_to_one_node_count_and_stays_exact():
     cuts = []
     original = type(pool.controller).cut
 
-    def cut(self, n):
+    def cut(self, plan, n):
         cuts.append(n)
-        return original(self, n)
+        return original(self, plan, n)
 
     import unittest.mock
 

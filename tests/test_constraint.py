@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from selfspec.constraint import Constraint
-from selfspec.engine import decode
+from stubs import decode
 from selfspec.sampling import SamplingConfig, target_probs
 from selfspec.tree import Law
 from stubs import ScriptedDrafter, fixed, table_target

@@ -10,7 +10,7 @@ import torch
 from selfspec.control import AcceptanceModel, ControlConfig, Controller, CostModel, verify_curve
 from selfspec.control.merge import member_sources, merge, node_values, size_tree, subtree
 from selfspec.drafters.base import DraftContext
-from selfspec.engine import decode
+from stubs import decode
 from selfspec.measurement.exit_search import rank_exits
 from selfspec.sampling import SamplingConfig
 from selfspec.tree import DraftTree, Law, TreeBuilder
@@ -43,7 +43,7 @@ def test_acceptance_starts_from_the_measured_prior_and_learns_per_key():
     assert model.mean((0, 7, 1, 0, 0)) < 0.15
     other = model.mean((0, 3, 1, 0, 0))  # another key borrows the pooled estimate, shrunk towards it
     assert model.mean((0, 7, 1, 0, 0)) < other < 0.8
-    decaying = AcceptanceModel([None], decay=0.5)
+    decaying = AcceptanceModel([None], prior_weight=2.0, decay=0.5)
     decaying.record(0, [((0, 0, 1, 0, 0), True)] * 10)
     for _ in range(10):
         decaying.record(0, [])  # steps of the member without a test of that cell: counts fade

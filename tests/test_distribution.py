@@ -31,7 +31,7 @@ import torch
 from scipy.stats import chi2
 
 import selfspec.verify as verify_mod
-from selfspec.engine import decode
+from stubs import decode
 from selfspec.sampling import SamplingConfig, sample, target_probs
 from selfspec.tree import DraftTree, Law
 from selfspec.verify import TreeBatch, verify_batch
@@ -437,15 +437,15 @@ def _controller_counts(cfg, members, n, *, force=True, spy=None):
     if force:
         choose, steps = ctl.choose, [0]
 
-        def rotated(ctx):
-            a, state, budget, cap = choose(ctx)
+        def rotated(ctx, *args):
+            a, state, budget, cap = choose(ctx, *args)
             steps[0] += 1
             return (a if steps[0] % 2 else (steps[0] // 2) % len(ctl.arms)), state, budget, cap
 
         ctl.choose = rotated
     if spy is not None:
-        propose = ctl.propose
-        ctl.propose = lambda ctx, clock: spy(ctl, propose(ctx, clock))
+        assemble = ctl.assemble
+        ctl.assemble = lambda plan, results: spy(ctl, assemble(plan, results))
     ids = torch.tensor(PROMPT)
     for _ in range(n):
         out = decode(target, ids, ctl, cfg, gen, NEW, set(), 100, clock=clock)
@@ -493,20 +493,20 @@ def test_controller_arms_merges_and_cuts_keep_the_law(lossy, monkeypatch):
         monkeypatch.setattr(control_mod, "size_tree", token_cut)
     kinds = {"sampled alone": 0, "merged with grafts": 0, "graft under a sampled node": 0, "plain": 0, "cut": 0}
 
-    def spy(ctl, proposal):
-        tree = proposal.tree
+    def spy(ctl, plan):
+        tree = plan.tree
         sampled = [i for i in range(1, tree.num_nodes) if tree.laws[i] != Law.POINT]
         grafts = [i for i in range(1, tree.num_nodes) if tree.laws[i] == Law.POINT and sampled]
         kinds["plain"] += tree.num_nodes == 1
         kinds["sampled alone"] += bool(sampled) and not grafts
         kinds["merged with grafts"] += bool(grafts)
         kinds["graft under a sampled node"] += any(int(tree.laws[int(tree.parents[g])]) != Law.POINT for g in grafts)
-        kinds["cut"] += ctl._pending["tree"].num_nodes < ctl._pending["drafted"]
+        kinds["cut"] += plan.tree.num_nodes < plan.drafted
         for g in grafts:  # grafts follow every sibling the anchor drew, and repeat none of their tokens
             siblings = tree.children[int(tree.parents[g])]
             assert max((s for s in siblings if tree.laws[s] != Law.POINT), default=0) < g
             assert sum(int(tree.tokens[s]) == int(tree.tokens[g]) for s in siblings) == 1
-        return proposal
+        return plan
 
     cfg = SETTINGS["T1"]
     n = control_samples(SAMPLES) if lossy in ("stale bonus", "graft law") else SAMPLES

@@ -76,8 +76,8 @@ def test_kv_reuse_gives_the_logits_of_a_full_verify_pass(family):
         b = full.forward_tree(tree).logits
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
         path = tree.path_to(tree.num_nodes - 1)  # a branch that is not a chain prefix
-        shared.commit(path, prefix)
-        full.commit(path, prefix)
+        shared.commit([path])
+        full.commit([path])
         nxt = int(a[path[-1]].argmax())
         ids = torch.cat([ids, tree.tokens[path[1:]], torch.tensor([nxt])])
     for la, lb in zip(shared.cache.layers, full.cache.layers):

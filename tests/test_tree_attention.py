@@ -45,7 +45,7 @@ def test_every_node_matches_sequential_logits(family):
 
     # compact to the deepest branch, then a second tree on top of the compacted cache
     path = tree.path_to(deep)
-    target.commit(path, prefix)
+    target.commit([path])
     assert target.prefix_len == prefix + len(path)
     committed = torch.cat([prompt[:-1], tree.tokens[path]])
     tree2, _ = _tree(17)
@@ -67,7 +67,7 @@ def test_chain_prefix_commit_crops(family):
     b.add(0, 3)
     tree = b.build()
     target.forward_tree(tree)
-    target.commit([0, 1], 7)  # root + first child: a chain prefix
+    target.commit([[0, 1]])  # root + first child: a chain prefix
     assert target.prefix_len == 9
     b2 = TreeBuilder(30)
     out = target.forward_tree(b2.build())

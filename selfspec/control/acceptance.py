@@ -30,7 +30,7 @@ def temperature_bucket(temperature: float) -> int:
 class AcceptanceModel:
     """Beta posteriors of acceptance per cell (see the module docstring)."""
 
-    def __init__(self, priors: list[dict | None], *, prior_weight: float = 4.0, decay: float = 0.99):
+    def __init__(self, priors: list[dict | None], *, prior_weight: float, decay: float):
         if prior_weight <= 0 or not 0 < decay <= 1:
             raise ValueError(f"need prior_weight > 0 and 0 < decay <= 1, got {prior_weight}, {decay}")
         self.priors, self.prior_weight, self.decay = priors, prior_weight, decay

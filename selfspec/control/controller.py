@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import copy
 import random
+import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
 from typing import Sequence
 
 from ..drafters.base import DraftContext, Drafter, Proposal, Requirements, Step
@@ -39,6 +42,44 @@ from .acceptance import AcceptanceModel, temperature_bucket
 from .cost import CostModel, verify_curve
 from .gate import BatchGate
 from .merge import member_sources, merge, node_values, size_tree, subtree, pinned, take_order
+
+
+#: Weight of the newest step in the moving average of tokens a step commits (``Controller.usual``).
+USUAL_EMA = 0.1
+#: A continued chain's expected tokens below which deeper levels are not weighed.
+VALUE_FLOOR = 1e-3
+
+
+@dataclass
+class StepPlan:
+    """One step's decision, passed from :meth:`Controller.plan` to :meth:`~Controller.assemble`,
+    :meth:`~Controller.offer`, :meth:`~Controller.cut` and :meth:`~Controller.observe`.
+
+    Attributes:
+        arm: index into ``Controller.arms``.
+        state: every member's context key this step.
+        ctx: the step's context.
+        calls: ``(member, its context)`` for each member asked (none on the plain arm).
+        draws: this step's Thompson draws per acceptance cell (filled as read).
+        rows: sequences sharing this step's target pass.
+        tree: the assembled tree (``None`` before :meth:`~Controller.assemble`); ``sources`` its
+            nodes' acceptance cells; ``draft_s`` drafting seconds; ``drafted`` nodes before the
+            cut; ``handoff`` the layer handoff, if any; ``order`` what :meth:`~Controller.offer`
+            ranked.
+    """
+
+    arm: int
+    state: tuple
+    ctx: DraftContext
+    calls: list
+    draws: dict
+    rows: int = 1
+    tree: DraftTree | None = None
+    sources: list = field(default_factory=list)
+    draft_s: float = 0.0
+    drafted: int = 1
+    handoff: Any = None
+    order: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -98,9 +139,7 @@ class Controller:
         self.arm_steps = [0] * len(self.arms)
         self.trace: list[dict] | None = None  # set to [] to record one dict per step
         self.gate = BatchGate()  # what batches measured (selfspec.batch), shared by forks
-        self._pending: dict | None = None
-        self._plan: dict | None = None
-        self._draws: dict = {}
+        self._in_use = threading.Lock()
 
     def fork(self, seed: int) -> "Controller":
         """A controller for another sequence decoded beside this one (a batch row): its members
@@ -114,6 +153,18 @@ class Controller:
     def check_target(self, model) -> None:
         for m in self.members:
             m.check_target(model)
+
+    def acquire(self) -> None:
+        """Mark this controller in use by one generation (released by :meth:`release`): a
+        controller holds one generation's state (its members' caches, the step being decided),
+        so a second concurrent generation is refused rather than corrupting the first."""
+        if not self._in_use.acquire(blocking=False):
+            raise RuntimeError("this Controller is in use by another generation; give each concurrent generation "
+                               "its own (controller.fork(seed)) or its own drafters")
+
+    def release(self) -> None:
+        if self._in_use.locked():
+            self._in_use.release()
 
     def begin(self, model=None) -> None:
         """A generation starts: members reset; the cost model is this machine's verify curve for
@@ -149,34 +200,38 @@ class Controller:
         self.usual = state["usual"]
 
     # ------------------------------------------------------------------ one step
-    def choose(self, ctx: DraftContext) -> tuple[int, tuple[int, ...], int | None, int | None]:
+    def choose(self, ctx: DraftContext, draws: dict | None = None,
+               rows: int = 1) -> tuple[int, tuple[int, ...], int | None, int | None]:
         """``(arm index, context state, node budget, depth cap)`` for this step (Thompson
-        sampling, module docstring). The cap is the depth that pays best (:meth:`_score`); the
-        budget is the sized tree's nodes plus one, so sampled trees can grow back (``None``: the
-        arm has no tree yet, or ``fixed``)."""
+        sampling, module docstring; ``draws``: this step's acceptance draws, filled as cells are
+        read; ``rows``: sequences sharing the pass). The cap is the depth that pays best
+        (:meth:`_score`); the budget is the sized tree's nodes plus one, so sampled trees can grow
+        back (``None``: the arm has no tree yet, or ``fixed``)."""
         state = tuple(m.context_key(ctx) for m in self.members)
         if self.config.fixed:
             return len(self.arms) - 1, state, None, None
         bucket = temperature_bucket(ctx.sampling.temperature)
-        self._draws = {}
-        best, best_score, budget, cap = 0, 1.0 / self.cost.verify(1), None, None
+        rate = self._rate({} if draws is None else draws)
+        best, best_score, budget, cap = 0, 1.0 / self.cost.verify(1, rows), None, None
         for a in range(len(self.arms) - 1, 0, -1):  # the merge first: it measures every member
             arm = self.arms[a]
             shape = self._shape(arm, state, bucket)
             if shape is None:
                 return a, state, None, None
-            score, nodes, depth = self._score(arm, shape, self._drawn_rate)
+            score, nodes, depth = self._score(arm, shape, rate, rows)
             if score > best_score:
                 best, best_score, budget, cap = a, score, nodes + 1, depth
         return best, state, budget, cap
 
-    def _drawn_rate(self, cell) -> float:
-        """This step's Thompson draw of ``cell``'s acceptance (drawn once per step)."""
-        if cell not in self._draws:
-            self._draws[cell] = self.acceptance.draw(cell, self.rng)
-        return self._draws[cell]
+    def _rate(self, draws: dict):
+        """This step's Thompson draw of a cell's acceptance (each cell drawn once, kept in ``draws``)."""
+        def rate(cell) -> float:
+            if cell not in draws:
+                draws[cell] = self.acceptance.draw(cell, self.rng)
+            return draws[cell]
+        return rate
 
-    def _score(self, arm: tuple[int, ...], shape, rate) -> tuple[float, int, int]:
+    def _score(self, arm: tuple[int, ...], shape, rate, rows: int = 1) -> tuple[float, int, int]:
         """``(tokens per second, draft nodes, depth)`` of ``arm``'s tree ``shape`` sized with the
         acceptance ``rate`` per cell, at the depth that pays best (each level costs each member
         one drafting call). Levels deeper than the shape are weighed too (its best deepest node's
@@ -186,9 +241,10 @@ class Controller:
         to one step made a member look the worse the longer it had been left out, so it was never
         tried again."""
         tree, sources = shape
+        verify = partial(self.cost.verify, rows=rows)
         per_level = sum(self.cost.draft(m) for m in arm)
         values = node_values(tree, sources, rate)
-        kept, _ = size_tree(tree, values, self.cost.verify, per_level * max(1, tree.depth), self.config.max_nodes)
+        kept, _ = size_tree(tree, values, verify, per_level * max(1, tree.depth), self.config.max_nodes)
         depths = tree.depths.tolist()
         gain = [0.0] * (tree.depth + 2)
         count = [0] * (tree.depth + 2)
@@ -199,121 +255,119 @@ class Controller:
         if deepest is not None and sources[deepest]:  # levels below the shape: its best chain, continued
             m, key, d, _, bucket = sources[deepest][0]
             value, gain, count = values[deepest], gain[:-1], count[:-1]
-            while value > 1e-3 and len(gain) <= self.config.max_nodes:
+            while value > VALUE_FLOOR and len(gain) <= self.config.max_nodes:
                 value *= rate((m, key, len(gain), 0, bucket))
                 gain.append(value)
                 count.append(1)
-        best, tokens, n = (1.0 / self.cost.verify(1), 0, 0), 1.0, 0
+        best, tokens, n = (1.0 / verify(1), 0, 0), 1.0, 0
         for d in range(1, len(gain)):
             tokens, n = tokens + gain[d], n + count[d]
-            r = tokens / (per_level * d + self.cost.verify(n + 1))
+            r = tokens / (per_level * d + verify(n + 1))
             if r > best[0]:
                 best = (r, n, d)
         return best
 
-    def propose(self, ctx: DraftContext, clock=time.perf_counter) -> Proposal:
-        """This step's proposal (a root-only tree on the plain arm); members are timed on
-        ``clock``, the engine's."""
+    def propose(self, ctx: DraftContext, clock=time.perf_counter, rows: int = 1) -> "StepPlan":
+        """:meth:`plan`, every planned member's ``propose`` timed on ``clock`` (the engine's),
+        then :meth:`assemble`: this step's plan with its tree (root-only on the plain arm)."""
+        plan = self.plan(ctx, rows)
         results = []
-        for m, mctx in self.plan(ctx):
+        for m, mctx in plan.calls:
             t0 = clock()
             proposal = Proposal.of(self.members[m].propose(mctx))
             results.append((proposal, clock() - t0))
-        return self.assemble(results)
+        return self.assemble(plan, results)
 
-    def plan(self, ctx: DraftContext) -> list[tuple[int, DraftContext]]:
-        """The first half of :meth:`propose`: the members this step asks, each with its context
-        (empty on the plain arm). The caller runs them (a batch runs every row's calls to one
-        member together, :meth:`~selfspec.drafters.base.Drafter.propose_many`) and hands the
-        results to :meth:`assemble`."""
-        a, state, budget, cap = self.choose(ctx)
+    def plan(self, ctx: DraftContext, rows: int = 1) -> "StepPlan":
+        """This step's choice (:meth:`choose`) as a :class:`StepPlan`: the members it asks, each
+        with its context (none on the plain arm). The caller runs them (a batch runs every row's
+        calls to one member together, :meth:`~selfspec.drafters.base.Drafter.propose_many`) and
+        hands the results to :meth:`assemble`."""
+        draws: dict = {}
+        a, state, budget, cap = self.choose(ctx, draws, rows)
         arm = self.arms[a]
         calls = [(m, replace(ctx, point_mass=len(arm) > 1 and m != arm[0], max_nodes=budget,
                              max_depth=ctx.max_depth if cap is None else min(ctx.max_depth, cap),
                              cache=ctx.cache if len(arm) == 1 and self.members[m].requires.target_cache else None))
                  for m in arm]
-        self._plan = dict(a=a, state=state, ctx=ctx, calls=calls)
-        return calls
+        return StepPlan(a, state, ctx, calls, draws, rows)
 
-    def assemble(self, results: list[tuple[Proposal, float]]) -> Proposal:
-        """The second half of :meth:`propose`: the planned members' proposals with each one's
-        drafting seconds (in :meth:`plan`'s order) merged, cut and recorded."""
-        plan, self._plan = self._plan, None
-        a, state, ctx = plan["a"], plan["state"], plan["ctx"]
-        arm, bucket = self.arms[a], temperature_bucket(ctx.sampling.temperature)
+    def assemble(self, plan: "StepPlan", results: list[tuple[Proposal, float]]) -> "StepPlan":
+        """The planned members' proposals with each one's drafting seconds (in ``plan.calls``'
+        order) merged, cut by this step's draws and recorded: ``plan`` with its tree filled in."""
+        ctx, arm = plan.ctx, self.arms[plan.arm]
+        bucket = temperature_bucket(ctx.sampling.temperature)
         if len(results) != len(arm):
             raise ValueError(f"assemble got {len(results)} proposals for an arm of {len(arm)} members")
         parts, spent, handoff = [], 0.0, None
-        for (m, mctx), (proposal, seconds) in zip(plan["calls"], results):
+        for (m, mctx), (proposal, seconds) in zip(plan.calls, results):
             proposal = Proposal.of(proposal)
             spent += seconds
             tree = _checked_tree(proposal, mctx)
             self.cost.record_draft(m, seconds, self._behind(m, ctx), round(self.usual), tree.depth)
             self.seen[m] = ctx.tokens.shape[0]
             handoff = proposal.handoff
-            parts.append((tree, member_sources(tree, m, state[m], bucket)))
-            self.shapes[((m,), (state[m],))] = parts[-1]
+            parts.append((tree, member_sources(tree, m, plan.state[m], bucket)))
+            self.shapes[((m,), (plan.state[m],))] = parts[-1]
         if not parts:
             tree, sources, drafted = DraftTree.root_only(ctx.root_token), [[]], 1
         else:
             tree, sources = merge(parts) if len(parts) > 1 else parts[0]
             drafted = tree.num_nodes
             if len(parts) > 1:
-                self.shapes[(arm, state)] = (tree, sources)
+                self.shapes[(arm, plan.state)] = (tree, sources)
             if handoff is None and not self.config.fixed:  # cut by this step's draws: nodes the
-                values = node_values(tree, sources, self._drawn_rate)  # means would cut get tested too
-                keep, _ = size_tree(tree, values, self.cost.verify, spent, self.config.max_nodes, cut_sampled=False)
+                values = node_values(tree, sources, self._rate(plan.draws))  # means would cut get tested too
+                keep, _ = size_tree(tree, values, partial(self.cost.verify, rows=plan.rows), spent,
+                                    self.config.max_nodes, cut_sampled=False)
                 tree, sources = subtree(tree, keep), [sources[i] for i in keep]
-        self.arm_steps[a] += 1
-        self._pending = dict(arm=a, state=state, tree=tree, sources=sources, draft_s=spent, drafted=drafted,
-                             handoff=handoff is not None)
-        return Proposal(tree, handoff)
+        self.arm_steps[plan.arm] += 1
+        plan.tree, plan.sources, plan.draft_s, plan.drafted, plan.handoff = tree, sources, spent, drafted, handoff
+        return plan
 
-    def offer(self) -> tuple[list[float], list[float]] | None:
-        """This step's assembled tree as a batch weighs it (:mod:`selfspec.batch`): ``(values of
-        the nodes that cannot be cut, values of the others in the order the sizing rule takes
-        them)``, by this step's acceptance draws; ``None`` when nothing may be cut (no tree, a
-        layer handoff, ``fixed``)."""
-        p = self._pending
-        if p is None or p["handoff"] or self.config.fixed or p["tree"].num_nodes == 1:
+    def offer(self, plan: "StepPlan") -> tuple[list[float], list[float]] | None:
+        """An assembled plan's tree as a batch weighs it (:func:`~selfspec.control.budget.node_budget`):
+        ``(values of the nodes that cannot be cut, values of the others in the order the sizing
+        rule takes them)``, by this step's acceptance draws; ``None`` when nothing may be cut (no
+        tree, a layer handoff, ``fixed``)."""
+        tree = plan.tree
+        if plan.handoff is not None or self.config.fixed or tree is None or tree.num_nodes == 1:
             return None
-        tree, sources = p["tree"], p["sources"]
-        values = node_values(tree, sources, self._drawn_rate)
+        values = node_values(tree, plan.sources, self._rate(plan.draws))
         sampled = pinned(tree)
         rest = set(range(1, tree.num_nodes)) - set(sampled)
-        p["order"] = sampled, take_order(tree, values, [0] + sampled, rest, len(rest))
-        return [values[i] for i in sampled], [values[i] for i in p["order"][1]]
+        plan.order = sampled, take_order(tree, values, [0] + sampled, rest, len(rest))
+        return [values[i] for i in sampled], [values[i] for i in plan.order[1]]
 
-    def cut(self, n: int) -> DraftTree:
-        """Cut this step's tree (after :meth:`offer`) to ``n`` draft nodes: its uncuttable ones,
+    def cut(self, plan: "StepPlan", n: int) -> DraftTree:
+        """Cut ``plan``'s tree (after :meth:`offer`) to ``n`` draft nodes: its uncuttable ones,
         then the others in :meth:`offer`'s order. Returns the tree to verify."""
-        p = self._pending
-        sampled, order = p["order"]
+        sampled, order = plan.order
         keep = sorted([0] + sampled + order[: max(0, n - len(sampled))])
-        p["tree"], p["sources"] = subtree(p["tree"], keep), [p["sources"][i] for i in keep]
-        return p["tree"]
+        plan.tree, plan.sources = subtree(plan.tree, keep), [plan.sources[i] for i in keep]
+        return plan.tree
 
-    def observe(self, tree: DraftTree, verdict: Verdict, tokens: list[int], verify_s: float | None) -> None:
-        """Record the verified step: ``tokens`` committed, ``verify_s`` seconds of its tree pass
-        (``None``: the caller times passes itself, as a batch does for all its rows at once)."""
-        pending, self._pending = self._pending, None
-        self.usual += 0.1 * (len(tokens) - self.usual)
-        proposed = set(self.arms[pending["arm"]]) if pending is not None else set()
-        if self.cost is not None and verify_s is not None:
-            self.cost.record_verify(tree.num_nodes, verify_s)
-        if pending is not None and pending["tree"] is tree:
+    def observe(self, plan: "StepPlan | None", tree: DraftTree, verdict: Verdict, tokens: list[int],
+                verify_s: float | None = None) -> None:
+        """Record the verified step: ``tree`` (``plan``'s tree, or a root-only tree when ``plan``
+        is ``None``: a plain step the controller was not asked about), ``tokens`` committed;
+        ``verify_s`` (the row's share of the pass) goes into the trace only: the caller records
+        passes in the cost model."""
+        self.usual += USUAL_EMA * (len(tokens) - self.usual)
+        proposed = set(self.arms[plan.arm]) if plan is not None else set()
+        if plan is not None:
             on_path, parents = set(verdict.path), tree.parents.tolist()
             outcomes: dict[int, list] = {m: [] for m in proposed}
             for i in range(1, tree.num_nodes):
                 if parents[i] in on_path:
-                    for cell in pending["sources"][i]:
+                    for cell in plan.sources[i]:
                         outcomes[cell[0]].append((cell, i in on_path))
             for m, cells in outcomes.items():
                 self.acceptance.record(m, cells)
             if self.trace is not None:
-                self.trace.append(dict(arm=self.arms[pending["arm"]], state=pending["state"], drafted=pending["drafted"],
-                                       nodes=tree.num_nodes,
-                                       accepted=verdict.num_accepted, draft_s=pending["draft_s"], verify_s=verify_s))
+                self.trace.append(dict(arm=self.arms[plan.arm], state=plan.state, drafted=plan.drafted,
+                                       nodes=tree.num_nodes, accepted=verdict.num_accepted, draft_s=plan.draft_s,
+                                       verify_s=verify_s))
         for m, member in enumerate(self.members):
             member.observe(Step(tokens, tree, verdict, m in proposed))
 

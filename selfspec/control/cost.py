@@ -9,9 +9,9 @@ engine's own clock then corrects it online: every step's verify seconds over ``c
 moving scale (the context grows, other load comes and goes).
 
 In a batch (:mod:`selfspec.batch`) one pass scores every row's tree, so a row's share of a pass
-over ``n`` nodes per row is ``c(rows * n) / rows`` (:attr:`CostModel.rows`, set by the batch each
-step): a row's controller weighs its tree against that share, and speculation turns itself down
-where the pass stops being memory bound.
+over ``n`` nodes per row is ``c(rows * n) / rows`` (``rows`` is an argument of every read): a
+row's controller weighs its tree against that share, and speculation turns itself down where the
+pass stops being memory bound.
 
 Members' drafting seconds are moving averages of the engine-timed ``propose`` calls; a call that
 first had to catch up on many skipped positions is charged apart, per position (*catch-up*), so
@@ -42,18 +42,17 @@ class CostModel:
         self.curve = {n: float(curve[n]) for n in self.sizes}
         self.source, self.ema = source, ema
         self.scale = 1.0
-        self.rows = 1  # sequences sharing each pass (a batch's rows)
         self.draft_s: dict[int, float] = {}  # member -> seconds of a call per level drafted
         self.catch_up_s: dict[int, float] = {}  # member -> seconds per position caught up
         self.draft_calls: dict[int, int] = {}
         self.catch_up_calls: dict[int, int] = {}
         self.verify_calls = 0
 
-    def verify(self, n: int) -> float:
+    def verify(self, n: int, rows: int = 1) -> float:
         """Predicted seconds of a step verifying ``n`` nodes (linear between measured sizes); with
         ``rows`` sequences per pass, one row's share of a pass over ``n`` nodes per row."""
-        if self.rows > 1:
-            return self._verify(n * self.rows) / self.rows
+        if rows > 1:
+            return self._verify(n * rows) / rows
         return self._verify(n)
 
     def _verify(self, n: int) -> float:
@@ -73,11 +72,11 @@ class CostModel:
         positions to catch up first."""
         return self.draft_s.get(member, 0.0) * levels + self.catch_up_s.get(member, 0.0) * behind
 
-    def record_verify(self, n: int, seconds: float) -> None:
-        """One step's verify ``seconds`` for ``n`` nodes (in a batch: a row's share of the pass,
-        ``n`` nodes per row): moves the curve's scale."""
+    def record_verify(self, n: int, seconds: float, rows: int = 1) -> None:
+        """One step's verify ``seconds`` for ``n`` nodes (with ``rows`` sequences in the pass: a
+        row's share of it, ``n`` nodes per row): moves the curve's scale."""
         self.verify_calls += 1
-        ratio = seconds / max(self.verify(n) / self.scale, 1e-9)
+        ratio = seconds / max(self.verify(n, rows) / self.scale, 1e-9)
         self.scale += max(self.ema, 1 / self.verify_calls) * (min(ratio, 4 * self.scale) - self.scale)
 
     def record_draft(self, member: int, seconds: float, behind: int, usual: int, levels: int = 1) -> None:
@@ -180,8 +179,7 @@ def measure_verify_curve(model, *, context: int = 256, repeats: int = 3) -> dict
         for _ in range(repeats + 1):
             t = time.perf_counter()
             target.forward_tree(tree)
-            target.commit([0], prefix)
+            target.rollback()  # (the commit of a chain: a crop)
             times.append(time.perf_counter() - t)
-            target.commit([], prefix)  # (drops the root's slot again)
         curve[n] = sorted(times[1:])[repeats // 2]
     return curve

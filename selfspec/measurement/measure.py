@@ -179,7 +179,7 @@ def _chained_logits(prefilled, seq: torch.Tensor, prompt_len: int, size: int) ->
         out = target.forward_tree(builder.build())
         if end == last:
             return out.logits[-1].float()
-        target.commit(list(range(end - root)), target.prefix_len)
+        target.commit([list(range(end - root))])
         root = end
 
 

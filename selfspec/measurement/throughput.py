@@ -65,7 +65,7 @@ def _pool_batch(model, controller, prompts, max_new_tokens: int):
     handles = [pool.submit(p, max_new_tokens=max_new_tokens) for p in prompts]
     pool.run()
     wall = time.perf_counter() - start
-    return [h.output.sequences[0] for h in handles], [h.finished - h.submitted for h in handles], wall, pool.stats
+    return [h.result().sequences[0] for h in handles], [h.finished - h.submitted for h in handles], wall, pool.stats
 
 
 def _stats_dict(stats) -> dict:
@@ -170,12 +170,12 @@ def stream_run(model, controller, prompts: list[torch.Tensor], arrivals: list[fl
             continue
         pool.step()
     makespan = time.perf_counter() - start
-    tokens = sum(h.output.stats.new_tokens for _, h in handles)
+    tokens = sum(h.result().stats.new_tokens for _, h in handles)
     latency = sorted(h.finished - start - at for at, h in handles)
     wait = sorted(h.admitted - start - at for at, h in handles)
     return dict(tokens=tokens, makespan_s=makespan, tokens_per_s=tokens / makespan, latency_s=latency,
                 queue_wait_s=wait, rows_per_step=_mean(pool.stats.rows_per_step), pool=_stats_dict(pool.stats),
-                outputs=[h.output.sequences[0].tolist() for _, h in handles])
+                outputs=[h.result().sequences[0].tolist() for _, h in handles])
 
 
 def _mean(xs) -> float:
