@@ -26,9 +26,8 @@ position biases, dropout, softcapping. The mask is built by transformers' ``sdpa
 under the same name. Plain decoding thus runs exactly transformers' path: only passes of several
 tokens with a mask change, which plain decoding never makes.
 
-Measured on the development machine.
-Explicit matmuls with a float32 softmax were slower than either SDPA path here (150-200 us for
-2-7 tokens: per-call overhead), so the kernel stays SDPA.
+Explicit matmuls with a float32 softmax were slower than either SDPA path (per-call overhead),
+so the kernel stays SDPA (the measurement is in docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -36,9 +35,8 @@ from __future__ import annotations
 import torch
 
 NAME = "selfspec_packed_sdpa"
-MAX_PACKED_ROWS = 24  # packed rows (query tokens x heads per key/value head) at most: measured here, SDPA
-# over 3 key/value heads and 300 cached positions took 78 / 97 / 130 us packed against 189 / 149 / 192 us
-# unpacked for 2 / 4 / 7 tokens, but 236 against 212 us for 12 tokens (36 rows)
+MAX_PACKED_ROWS = 24  # packed rows (query tokens x heads per key/value head) at most: packing pays for a
+# few tokens but not beyond this (the measurement is in docs/decisions.md)
 
 
 def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -23,19 +23,11 @@ every row attends over ``T`` slots; a row far shorter than the longest one pays 
 
 **Requests.** Each row is a :class:`selfspec.request.Request` with its own controller (a fork of
 the pool's: own drafters' state and arm draws, shared acceptance and cost models), sampling
-settings, generator, stop conditions and budget; verification is the same pure verifier as
-alone. The cost model is told the batch's size (:attr:`selfspec.control.cost.CostModel.rows`), so
-each row weighs its tree against its share of the pass, and speculation turns itself down as the
-pass stops being memory bound.
-
-**The batch's word.** Every pass costs the batch's largest tree for every row, which no row's
-controller sees. So after the rows' controllers have sized their trees, the batch picks one node
-budget N for all of them, the one with the most expected tokens per second of the whole pass
-(each row's best nodes up to N by this step's acceptance draws, against ``c(rows * (N + 1))``);
-rows over N are cut to their best N nodes (sampled nodes are never cut). And the
-controller's :class:`~selfspec.control.gate.BatchGate` compares measured tokens per second of
-speculative and plain steps per batch size and runs plain steps while speculation measures
-slower.
+settings, generator, stop conditions and budget; every step is the one decode step
+(:func:`selfspec.step.step`): the same pure verifier as alone, each row weighing its tree against
+its share of the pass (the cost model is read with the row count), one node budget for all rows
+(:mod:`selfspec.control.budget`), and the controller's :class:`~selfspec.control.gate.BatchGate`
+running plain steps while speculative steps measure slower per batch size.
 
 **Continuous batching.** :class:`Pool` holds waiting requests; between steps, finished rows leave
 and waiting ones join (each prefilled alone, then merged into the batch cache), up to

@@ -2,15 +2,14 @@
 
 Why: a draft step on a CPU reads every weight of the head for one or a few rows, so it is bound
 by how many bytes each call reads, not by arithmetic. Storing the head's matrices as int8 with one
-float scale per output row halves those bytes against bf16. Measured on the development machine
-(2 threads, cold cache, 2 rows): the 8192 x 576 EAGLE-3 draft LM head 0.60 ms against 0.95 ms in
-bf16, the 3072 x 576 MLP matrices 0.25 against 0.49 ms; a SmolLM2 EAGLE-3 draft step 14.9 against
-20.1 ms with the bf16 head (16.2 prepacked; ``docs/results/r15_head_kernels.md``).
+float scale per output row halves those bytes against bf16, so the int8 head and MLP matrices,
+and a whole draft step, are faster than in bf16 (also than a prepacked bf16 head); the
+measurements behind this choice are in docs/decisions.md.
 
 Why by hand: ``torch._weight_int8pack_mm`` (PyTorch's own CPU kernel, the one gpt-fast calls) is
-the fast path; torchao 0.18's ``Int8WeightOnlyConfig`` measured slower than plain bf16 here (1.43
-against 1.01 ms for the 8192 x 576 head: on the CPU it dequantizes the weight at every call), and
-no other maintained package quantizes an ``nn.Linear`` to that kernel in eager mode.
+the fast path; torchao 0.18's ``Int8WeightOnlyConfig`` is slower than plain bf16 on the CPU (it
+dequantizes the weight at every call), and no other maintained package quantizes an
+``nn.Linear`` to that kernel in eager mode.
 
 Invariants:
 
@@ -24,12 +23,10 @@ Invariants:
   inputs, and one call per layer compared at build time with the dequantized reference. Elsewhere
   the layer multiplies by the dequantized weight (same values, plain ``F.linear``).
 * float32 inputs are rounded to bf16 for the kernel and the result is returned in float32: the
-  kernel's float32 path is 4-5x slower than its bf16 path on a CPU with native bf16 and 10x slower
-  on one without (AVX2 only), where the bf16 path still needs no native bf16 (it widens
-  the activations, the weights are int8): the 8192 x 576 head, one row, 0.28 ms against 1.4 ms
-  for the float32 weight (``W @ x^T``, the fastest float32 layout there) and 3.1 ms for the
-  kernel's float32 path (2 threads, medians of 300 calls); a whole draft step:
-  ``docs/results/r25_head_kernels_f32.md``.
+  kernel's float32 path is several times slower than its bf16 path, on a CPU with native bf16
+  and more so on one without (AVX2 only), where the bf16 path still needs no native bf16 (it
+  widens the activations, the weights are int8) and beats the float32 weight in its fastest
+  layout (``W @ x^T``); the measurements are in docs/decisions.md.
 """
 
 from __future__ import annotations

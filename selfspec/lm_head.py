@@ -2,11 +2,11 @@
 
 Why not just call the model: on CPU, ``nn.Linear`` computes ``h @ W.T``, and for the few rows of
 a draft tree (2-16) MKL's kernel for that layout is several times slower than ``W @ h.T`` on the
-same numbers (measured on the dev machine for SmolLM2's 49152 x 576 head: 3 rows 32 ms vs 4 ms,
-11 rows 32 ms vs 14 ms). The LM head is the largest matrix of a small model, so selfspec runs the
-unmodified decoder and applies the head itself. To stay exact for any architecture, the shortcut
-is used only after :func:`head_matches_forward` has checked, once per model, that it reproduces
-the model's own ``forward`` logits (final soft-capping included); otherwise the full forward runs.
+same numbers (the measurement is in docs/decisions.md). The LM head is the largest matrix of a
+small model, so selfspec runs the unmodified decoder and applies the head itself. To stay exact
+for any architecture, the shortcut is used only after :func:`head_matches_forward` has checked,
+once per model, that it reproduces the model's own ``forward`` logits (final soft-capping
+included); otherwise the full forward runs.
 """
 
 from __future__ import annotations

@@ -143,12 +143,11 @@ def bf16_faster_here(device: str = "cpu") -> bool:
     :func:`_decode_step_seconds` (a plain step, one row; a verified tree, :data:`TREE_ROWS` rows),
     each interleaved best of three: bf16 where its plain step is at least 20% faster, or where it
     is at most 5% slower (the probe's resolution) and its tree pass at least 20% faster. CPUs
-    differ: on the AMD EPYC of shared/docs/ENVIRONMENT.md (avx512_bf16) bf16 decoding was 1.5x
-    faster; on an Intel Xeon with AMX a prepacked bf16 step costs 0.91 of a float32 one and an
-    8-token tree pass 0.58 (docs/results/r28_forward_cost_amx: 28.7 / 33.0 ms against 31.7 /
-    57.3), so speculative decoding, what selfspec is for, runs there in bf16 (before prepacking,
-    plain bf16 decoding on such a Xeon measured 1.4x slower than float32, which the plain-step
-    condition still catches)."""
+    differ, so the answer is measured, not read off the flags: with avx512_bf16 bf16 decoding can
+    be faster outright; with AMX a prepacked bf16 plain step costs about what a float32 one does
+    while a tree pass is much cheaper, so speculative decoding, what selfspec is for, runs there
+    in bf16; where unpacked bf16 decoding is slower than float32, the plain-step condition catches
+    it (the measurements are in docs/decisions.md)."""
     key = str(device)
     if key not in _BF16_FASTER:
         if not bf16_is_fast(device):

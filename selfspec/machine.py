@@ -2,7 +2,7 @@
 
 Speedups here are ratios measured side by side in one process, but the ratio itself depends on the
 CPU: on one with native bf16 dot products (``avx512_bf16`` / AMX) a bf16 decode step costs about
-half a float32 one, on one without it can cost more. Sessions of this project land on different
+half a float32 one, on one without it can cost more. Results may be produced on different
 machines, so every result file and calibration records the CPU model and the instruction-set
 flags that decide the dtype's speed, not just the architecture and core count.
 """
@@ -46,11 +46,9 @@ def cpu_label(identity: dict | None = None) -> str:
 
 
 #: Kernel classes, fastest bf16 path first: what decides a dtype's cost curve (a decode step and a
-#: tree pass of n nodes) on a CPU. Measured here: bf16 passes over 1 / 8 / 16 nodes cost 30.4 /
-#: 34.7 / 37.7 ms with AMX against 37.4 / 48.7 / 51.7 ms with avx512_bf16 alone
-#: (2 threads), and float32 products of 2-16 rows pay to run weight-first with
-#: AVX2 only (docs/results/r24_forward_cost_f32_avx2) but not with AVX-512
-#: (docs/results/r28_forward_cost_amx).
+#: tree pass of n nodes) on a CPU: bf16 tree passes are cheaper with AMX than with avx512_bf16
+#: alone, and float32 products of 2-16 rows pay to run weight-first with AVX2 only but not with
+#: AVX-512 (the measurements are in docs/decisions.md).
 CPU_CLASSES = ("amx", "avx512_bf16", "avx512", "avx2", "other")
 
 

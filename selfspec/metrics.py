@@ -51,12 +51,6 @@ class SpecStats:
         return self.wall_time_s - self.prefill_time_s
 
     @property
-    def time_per_output_token_s(self) -> float:
-        """Mean seconds per token after the first step (TPOT)."""
-        later = self.new_tokens - self.first_step_tokens
-        return (self.wall_time_s - self.first_token_s) / later if later > 0 else 0.0
-
-    @property
     def tokens_per_s(self) -> float:
         """New tokens per second of decoding (prefill excluded)."""
         return self.new_tokens / self.decode_time_s if self.decode_time_s > 0 else 0.0

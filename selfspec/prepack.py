@@ -3,14 +3,12 @@
 Why: on a CPU with AMX / AVX512-BF16, ``nn.Linear`` in bfloat16 reorders the weight into
 oneDNN's blocked layout on *every call*, so a decode step pays a copy of every weight matrix. With
 the weight reordered once, at load time, a bf16 matmul reads each weight once per call whatever the
-number of rows, and a tree of 2-32 tokens costs about what one token costs. Measured on the
-development machine (Xeon with AMX, 2 threads; SmolLM2's 1536 x 576 MLP matrices, 30 of them so
-the cache is cold): per matrix 56-62 us for 1-16 rows, against 84-102 us for ``nn.Linear`` in bf16
-and 76-230 us in float32; the whole SmolLM2 forward over 1 / 8 / 16 new tokens after 200 cached
-positions: 29 / 38 / 40 ms, against 36 / 42 / 47 ms in bf16 unpacked and 32 / 58 / 65 ms in
-float32. No maintained library does this for an unmodified
-transformers model in eager mode (``torch.compile`` freezing does it inside a compiled graph, at
-minutes of compile time and recompiles per tree shape), hence this module.
+number of rows, and a tree of 2-32 tokens costs about what one token costs. On a CPU with AMX
+prepacked bf16 is faster than unpacked bf16 and than float32, per matrix and for a whole forward
+pass (the measurements behind this choice are in docs/decisions.md). No maintained library does
+this for an unmodified transformers model in eager mode (``torch.compile`` freezing does it
+inside a compiled graph, at minutes of compile time and recompiles per tree shape), hence this
+module.
 
 Invariants:
 

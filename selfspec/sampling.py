@@ -88,8 +88,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     the interval of token i is ``[c_{i-1}, c_i)`` with ``c`` the float64 cumulative sum, so a
     zero-probability token has an empty interval; an index that lands on one anyway through
     rounding is moved to the nearest earlier token of positive mass, so none is ever returned. ``torch.multinomial``
-    draws the same law but spends one random number per vocabulary entry, about 1.3 ms a row for
-    a 49k vocabulary on this CPU against a few tens of microseconds here.
+    draws the same law but spends one random number per vocabulary entry where this spends one
+    per row, so it is much slower for a large vocabulary (the measurement is in docs/decisions.md).
     """
     rows = probs.reshape(-1, probs.shape[-1]).to(torch.float64)
     cdf = rows.cumsum(-1)  # [b, V]

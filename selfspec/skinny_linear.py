@@ -3,16 +3,13 @@
 Why: a verify pass runs the target over a draft tree of 2-17 tokens, so every linear layer is a
 matrix product with 2-17 rows. On a CPU without native bf16 the target runs in float32, and there
 ``nn.Linear`` (MKL's sgemm with the weight as the transposed right operand) handles a few rows
-far worse than one, although the weights, which dominate, are read once either way. Measured on
-an AMD EPYC (Zen 3, AVX2 only, 2 threads, torch 2.13 with MKL 2024.2), SmolLM2-135M's decoder plus
-LM head (as the engine runs it, :func:`selfspec.lm_head.lm_logits`) over n new tokens after 256
-cached positions, the two layouts alternated call by call, medians of 15: one token 84 ms;
-n = 2 / 3 / 4 / 5: 117 / 135 / 120 / 123 ms with ``nn.Linear``, 86 / 107 / 89 / 106 ms with the
-weight as the *left* operand, ``W @ x^T`` (a tall-skinny sgemm); n = 6-12 within 2% either way;
-n = 16: 157 vs 147 ms (``docs/results/r24_forward_cost_f32_avx2``). oneDNN with prepacked float32 weights
-was in between. The LM head already used this layout in :mod:`selfspec.lm_head`; this module
-extends it to the decoder's layers. No maintained library picks the operand order by row count
-for an unmodified transformers model in eager mode, hence this module.
+far worse than one, although the weights, which dominate, are read once either way. On a CPU
+with AVX2 but no AVX-512, a whole forward pass over a few new tokens is faster with the weight
+as the *left* operand, ``W @ x^T`` (a tall-skinny sgemm), than with ``nn.Linear``, and oneDNN with
+prepacked float32 weights falls in between (the measurements are in docs/decisions.md). The LM
+head already used this layout in :mod:`selfspec.lm_head`; this module extends it to the decoder's
+layers. No maintained library picks the operand order by row count for an unmodified
+transformers model in eager mode, hence this module.
 
 Invariants:
 
@@ -46,9 +43,8 @@ def skinny_available(dtype: torch.dtype, device="cpu") -> bool:
 
 def skinny_pays(dtype: torch.dtype, device="cpu", identity: dict | None = None) -> bool:
     """Whether :func:`selfspec.load_target` wraps by default: where it applies and was measured
-    faster, a CPU with AVX2 but no AVX-512 (docs/results/r24_forward_cost_f32_avx2: 2-16 rows
-    cost 85-131 ms against 114-148 ms row-major). With AVX-512 the row-major product is faster
-    (docs/results/r28_forward_cost_amx: 2 / 8 rows 39.6 / 57.3 ms against 72.2 / 74.5 skinny)."""
+    faster, a CPU with AVX2 but no AVX-512. With AVX-512 the row-major product is faster (the
+    measurements for both are in docs/decisions.md)."""
     from .machine import cpu_class
 
     return skinny_available(dtype, device) and cpu_class(identity) == "avx2"

@@ -76,7 +76,6 @@ def step(target, requests: list[Request], clock, *, cost=None, drafting: bool = 
         budget: pick one node budget for every row's tree (:mod:`selfspec.control.budget`).
     """
     rows = len(requests)
-    t0 = clock()
     try:
         trees, plans, draft_s, handoffs = _draft(target, requests, clock, drafting, budget)
     except BaseException:

@@ -1,6 +1,6 @@
 """Draft trees: the candidates a drafter proposes for one verification step.
 
-Notation (see ``shared/docs/EXACTNESS.md``): node 0 is the *root*, the last committed token, whose
+Notation (see ``docs/exactness.md``): node 0 is the *root*, the last committed token, whose
 KV is not cached yet; every other node is a draft token. Nodes are stored flat in topological
 order, so ``parents[i] < i`` for ``i >= 1`` and ``parents[0] == -1``. ``depths[i]`` is the number of
 edges from the root; the target sees node ``i`` at position ``prefix_len + depths[i]``.

@@ -1,6 +1,6 @@
 """Exact verification of a draft tree against the target's logits.
 
-Terms (``shared/docs/EXACTNESS.md``): ``p_u`` is the target law at node u after all logits
+Terms (``docs/exactness.md``): ``p_u`` is the target law at node u after all logits
 processing (:func:`selfspec.sampling.target_probs`); an *accepted* token is a draft token that
 passed its test; a *recovered* token is drawn from the residual after every child of a node was
 rejected; the *bonus* token is drawn from the full ``p_u`` of the node the walk ends on when that

@@ -316,14 +316,14 @@ def test_recommended_settings_are_the_fastest_in_their_result_files():
     import math
     import pathlib
 
-    from selfspec.drafters import RECOMMENDED, recommended_drafter, recommended_setting
+    from selfspec.drafters import RECOMMENDED, recommended_setting
 
     root = pathlib.Path(__file__).parents[1]
     entries = json.loads(RECOMMENDED.read_text(encoding="utf-8"))
     assert entries, "no recommended drafter recorded"
     for target, entry in entries.items():
         drafter, dtype = recommended_setting(target)
-        assert recommended_drafter(target) == drafter == entry["drafter"]
+        assert drafter == entry["drafter"]
         assert entry["evidence"], target
         speedups, names = [], set()
         for path in entry["evidence"]:

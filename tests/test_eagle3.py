@@ -19,6 +19,15 @@ from test_distribution import _stale_bonus, chi_square_ok, control_samples
 from test_layerskip import _exact_law  # same 6-token vocabulary, prompt and 3 new tokens
 from tiny_models import FAMILIES, tiny_model
 
+
+@torch.no_grad()
+def catch_up(drafter, tokens, features):
+    """Run ``drafter``'s committed pairs not run yet (``tokens`` ``[P + 1]``, ``features`` ``[P, 3H]``);
+    the last pair's ``[1, H]`` output, as a draft step computes it first."""
+    from selfspec.drafters.eagle3 import _Rows
+
+    return _Rows([drafter], [tokens], [features]).roots[0]
+
 PROMPT = torch.tensor([[3, 9, 27, 3, 9, 27, 3, 9, 5, 11]])
 
 
@@ -84,7 +93,7 @@ def test_training_time_test_equals_inference_chain():
     outs = drafter.head.ttt_forward(taps, embeds, 3)
     for t in (3, 5):
         drafter.reset()
-        last = drafter.catch_up(seq[: t + 2], taps[0, : t + 1])  # pairs 0..t
+        last = catch_up(drafter, seq[: t + 2], taps[0, : t + 1])  # pairs 0..t
         torch.testing.assert_close(last[0], outs[0][0, t])
         o, slots = last, []  # then a chain of the true tokens, as the drafter's level calls run it
         for j in (1, 2):
@@ -110,7 +119,7 @@ def test_draft_cache_after_compaction_equals_a_fresh_recomputation():
     target = TreeTarget(model, taps=fresh.requires.taps)
     committed = drafter.cached
     feats = target.prefill(seq[: committed + 1]).taps
-    fresh.catch_up(seq[: committed + 1], feats)
+    catch_up(fresh, seq[: committed + 1], feats)
     torch.testing.assert_close(drafter.k, fresh.k)
     torch.testing.assert_close(drafter.v, fresh.v)
 
@@ -713,7 +722,7 @@ def test_eagle3_export_matches_an_independent_implementation(tmp_path):
               position_embeddings=LlamaRotaryEmbedding(cfg)(feats, pos))
     ref = norm(h) @ tensors["lm_head.weight"].T  # [1, n, V_d]
     ref_ids = torch.arange(32) + tensors["d2t"]
-    ours = drafter.head.logits(drafter.catch_up(seq, rec.get()[0, :n]))
+    ours = drafter.head.logits(catch_up(drafter, seq, rec.get()[0, :n]))
     torch.testing.assert_close(ours[0], ref[0, -1], atol=1e-6, rtol=1e-5)  # RMSNorm computes in float32
     assert torch.equal(ref_ids, drafter._draft_ids)
 
@@ -876,8 +885,8 @@ def test_exported_heads_import_and_draft_the_same(tmp_path, fmt):
     with capture_taps(model, list(drafter.requires.taps)) as rec:
         model(seq[None])
     n = seq.shape[0] - 1
-    torch.testing.assert_close(loaded.head.logits(loaded.catch_up(seq, rec.get()[0, :n])),
-                               drafter.head.logits(drafter.catch_up(seq, rec.get()[0, :n])), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(loaded.head.logits(catch_up(loaded, seq, rec.get()[0, :n])),
+                               drafter.head.logits(catch_up(drafter, seq, rec.get()[0, :n])), rtol=1e-9, atol=1e-9)
     reference = model.generate(PROMPT, max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert torch.equal(selfspec.generate(model, PROMPT, drafter=loaded, max_new_tokens=24).sequences, reference)
     with pytest.raises(CheckpointError, match="vocabulary"):

@@ -71,7 +71,6 @@ def test_kv_reuse_gives_the_logits_of_a_full_verify_pass(family):
         proposal = drafter.propose(ctx)
         tree, handoff = proposal.tree, proposal.handoff
         assert handoff is not None and handoff.hidden.shape[0] == tree.num_nodes > 1
-        prefix = shared.prefix_len
         a = shared.forward_tree(tree, handoff).logits
         b = full.forward_tree(tree).logits
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

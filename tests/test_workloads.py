@@ -8,7 +8,7 @@ import pytest
 
 from selfspec import prompts
 
-from selfspec.measurement.workloads import (first_per_category, load_bfcl, load_questions, load_spec_bench,
+from selfspec.measurement.workloads import (load_bfcl, load_questions, load_spec_bench,
                                             take_per_category)
 
 DATA = prompts.root()
@@ -36,13 +36,3 @@ def test_wrong_format_is_refused(tmp_path):
         load_bfcl(bad)
 
 
-def test_first_question_per_category_in_the_order_asked(tmp_path):
-    """Diagnostics (scripts/union_arms.py, union_cold_start.py) take each category's first question;
-    a category the file lacks is named in the error."""
-    path = tmp_path / "q.jsonl"
-    rows = [("1", "math", "a"), ("2", "writing", "b"), ("3", "math", "c")]
-    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n" for i, c, t in rows))
-    picked = first_per_category(path, ["writing", "math"])
-    assert list(picked) == ["writing", "math"] and picked["math"].turns == ("a",)
-    with pytest.raises(ValueError, match="roleplay"):
-        first_per_category(path, ["math", "roleplay"])

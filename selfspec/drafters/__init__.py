@@ -92,10 +92,7 @@ def recommended_setting(target: str) -> tuple[str, str] | None:
     return (entry["drafter"], entry.get("dtype", "float32")) if entry else None
 
 
-def recommended_drafter(target: str) -> str | None:
-    """The drafter spec of :func:`recommended_setting` (``None``: no record)."""
-    setting = recommended_setting(target)
-    return setting[0] if setting else None
+
 
 
 def shipped_checkpoint(target: str, kind: str) -> Path:
@@ -121,10 +118,7 @@ def drafter_from_spec(model, spec: str, target: str | None = None, tokenizer=Non
         return [drafter_from_spec(model, s, target, tokenizer) for s in spec.split("+")]
     if "@" in spec:
         base, _, opts = spec.partition("@")
-        drafter = drafter_from_spec(model, base, target, tokenizer)
-        if not hasattr(drafter, "with_options"):
-            raise ValueError(f"drafters of kind {drafter.kind!r} take no @options")
-        return drafter.with_options(**_parse_options(opts))
+        return drafter_from_spec(model, base, target, tokenizer).with_options(**_parse_options(opts))
     if Path(spec).is_dir():
         return load_drafter(spec, model)
     if spec in kinds(trainable=True):

@@ -3,7 +3,8 @@
 A drafter never loads models, never runs the decode loop and never keeps a clock: the engine asks
 ``propose(ctx)`` (and times it), verifies, and shows every drafter the committed step through
 ``observe(step)``, whether or not its tree was used (the controller in :mod:`selfspec.control`
-decides which drafters run). Twelve members make the whole contract:
+decides which drafters run). These members make the whole contract (the engine calls nothing
+else, and probes nothing):
 
 ================  =================================================================================
 ``kind``          registry name (:func:`selfspec.drafters.register`)
@@ -19,6 +20,10 @@ decides which drafters run). Twelve members make the whole contract:
 ``fork``          a twin for another sequence decoded at the same time (a batch row)
 ``propose_many``  optional: one call proposing for several forks (a batch's rows), e.g. one
                   batched model call per tree level; default: each fork proposes alone
+``with_options``  optional: a twin with policy options changed (``spec@key=value``); default:
+                  refuses every option
+``config_dict``   trainable drafters: the options a checkpoint stores to rebuild it
+                  (:func:`selfspec.drafters.save_drafter`); default: ``config`` as a dict
 ================  =================================================================================
 
 A new drafter is one file::
@@ -217,6 +222,16 @@ class Drafter(ABC):
         those each row would propose alone (up to floating-point rounding of the batched call).
         Default: one ``propose`` per row."""
         return [d.propose(c) for d, c in zip(drafters, ctxs)]
+
+    def with_options(self, **options) -> "Drafter":
+        """A twin drafting with policy ``options`` changed (``spec@key=value`` on the command line);
+        ``ValueError`` naming the options it does not take. Default: takes none."""
+        raise ValueError(f"drafters of kind {self.kind!r} take no @options (got {sorted(options)})")
+
+    def config_dict(self) -> dict:
+        """The options a checkpoint stores to rebuild this drafter (default: ``config`` as a dict;
+        ``{}`` without one)."""
+        return asdict(self.config) if self.config is not None else {}
 
     def end(self, tokens: torch.Tensor, prompt_len: int) -> None:
         """Called once when a generation ends: ``tokens`` ``[L]`` is the prompt (its first

@@ -60,8 +60,9 @@ class Eagle3Policy(TreePolicy):
     """How the head drafts: the tree policy, and ``head_weights``: ``"native"`` drafts with the
     head's weights as they are; ``"int8"`` with an int8 weight-only copy of its linear layers
     (:mod:`selfspec.int8_linear`: half the bytes a draft call reads; drafts only); ``"auto"``:
-    int8 where the head runs in bf16 on a CPU whose int8 kernel passes its check, else native (a
-    draft step 14.9 ms against 20.1 with the unpacked bf16 head, ``docs/results/r15_head_kernels.md``)."""
+    int8 where the head runs in bf16 on a CPU whose int8 kernel passes its check, else native (there
+    the int8 draft step is faster than the unpacked bf16 one; the measurement is in
+    docs/decisions.md)."""
 
     head_weights: str = "auto"
 
@@ -137,13 +138,6 @@ class Eagle3Drafter(Drafter):
         return Eagle3Drafter(self.model, self.config, self.head, policy, self.signature, self.acceptance)
 
     # ------------------------------------------------------------------ drafting
-    @torch.no_grad()
-    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor | None:
-        """Run the committed pairs not run yet; returns the last pair's ``[1, H]`` output (None if
-        P = 0). ``tokens``: ``[P + 1]`` all tokens; ``features``: ``[P, 3H]`` taps of every
-        committed position."""
-        return _Rows([self], [tokens], [features]).roots[0]
-
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> DraftTree:
         return self.propose_many([self], [ctx])[0]

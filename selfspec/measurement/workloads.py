@@ -99,16 +99,6 @@ def load_questions(path: str | Path) -> list[Question]:
     return load_spec_bench(path)
 
 
-def first_per_category(path: str | Path, categories: list[str]) -> dict[str, Question]:
-    """The first question of each of ``categories`` in the question file ``path``; raises
-    ``ValueError`` naming the categories it lacks."""
-    first = {q.category: q for q in take_per_category(load_questions(path), 1)}
-    missing = [c for c in categories if c not in first]
-    if missing:
-        raise ValueError(f"no question of categories {missing} in {path}")
-    return {c: first[c] for c in categories}
-
-
 def take_per_category(questions: list[Question], n: int) -> list[Question]:
     """The first ``n`` questions of each category, in file order."""
     counts: dict[str, int] = {}

@@ -11,9 +11,8 @@ with their gradients and AdamW moments in float32 (16 bytes each), and the large
 one micro-batch (cached-feature kinds: the heads' logits over the vocabulary; online kinds: the
 target's transient pass plus the drafter's activations per unrolled step (Medusa / layer-skip
 with ``features: online``: the heads' logits over every position of the micro-batch), for EAGLE-3 including
-its attention scores with every example ``max_len`` long, the worst case). Checked once on an H200
-(``docs/results/r7_gpu_check.md``): at 16k tokens per batch of ~900-token examples the run peaked
-at 119.6 GiB, which the worst case bounds from above.
+its attention scores with every example ``max_len`` long, the worst case), so that the estimate is
+meant to bound a run's peak memory from above (the GPU check is in docs/decisions.md).
 Time: ``6 x trainable (x unrolled steps) + 2 x target (online kinds)`` FLOPs per token and epoch at an assumed
 sustained throughput (``--tflops``, default 200 per GPU: bf16 on an H100-class card at about 40% of
 peak); tokens from the dataset when it exists here, else from the distill config's prompt counts.

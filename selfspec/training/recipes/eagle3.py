@@ -236,11 +236,11 @@ class Eagle3Recipe(TrainingRun):
           training split, up to ``draft_vocab_size``; the old ids keep their ``lm_head`` rows, the
           new ones all start as the mean of the old rows, so each new token is as likely as an
           average old one and rarely outranks the old head's choice (the data breaks the tie).
-          Measured on the shipped head, 8,192 -> 16,384 tokens (``scripts/grow_init.py``,
-          docs/results/r29_grow_init.md; 24 held-out answers): held-out loss 2.55 and top-1 0.648
-          at depth 1 with mean rows; 5.19 / 0.631 with zero rows (logit 0 is high for this head);
-          10.8 / 0.116 with the target's own LM-head rows (what a new head starts from,
-          :meth:`_init_from_target`: a trained head's output space has drifted from the target's);
+          Mean rows start the grown head closest to ``small``; zero rows do worse (logit 0 is
+          high for a trained head) and the target's own LM-head rows (what a new head starts
+          from, :meth:`_init_from_target`) far worse, since a trained head's output space has
+          drifted from the target's (``scripts/grow_init.py`` compares them; the measurement is
+          in docs/decisions.md);
         * MLP: ``small``'s ``intermediate_size`` neurons kept, new neurons with fresh ``gate_proj``
           and ``up_proj`` rows and zero ``down_proj`` columns (no output until trained).
 
