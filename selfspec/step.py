@@ -130,7 +130,7 @@ def step(target, requests: list[Request], clock, *, cost=None, drafting: bool = 
 def _draft(target, requests: list[Request], clock, drafting: bool, budget: bool):
     """``(trees, plans, seconds, handoffs)`` per row: its controller plans, the members draft for
     every row that asked them in one :meth:`~selfspec.drafters.base.Drafter.propose_many` call
-    (its seconds shared evenly), and each controller assembles its tree. A row whose drafting
+    (its seconds shared evenly; one row asks ``propose``), and each controller assembles its tree. A row whose drafting
     raised is failed and verifies a root-only tree (its row commits nothing)."""
     rows = len(requests)
     cache = target.cache if rows == 1 and target.supports_handoff else None
@@ -153,7 +153,10 @@ def _draft(target, requests: list[Request], clock, drafting: bool, budget: bool)
         drafters = [requests[b].controller.members[m] for b, _ in asked]
         t = clock()
         try:
-            proposals = type(drafters[0]).propose_many(drafters, [mctx for _, mctx in asked])
+            if len(asked) == 1:
+                proposals = [drafters[0].propose(asked[0][1])]
+            else:
+                proposals = type(drafters[0]).propose_many(drafters, [mctx for _, mctx in asked])
             spent = [(clock() - t) / len(asked)] * len(asked)
         except Exception:  # find whose drafter raised: each row alone
             proposals, spent = [], []

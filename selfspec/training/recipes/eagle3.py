@@ -239,7 +239,7 @@ class Eagle3Recipe(TrainingRun):
           Mean rows start the grown head closest to ``small``; zero rows do worse (logit 0 is
           high for a trained head) and the target's own LM-head rows (what a new head starts
           from, :meth:`_init_from_target`) far worse, since a trained head's output space has
-          drifted from the target's (``scripts/grow_init.py`` compares them; the measurement is
+          drifted from the target's (the measurement is
           in docs/decisions.md);
         * MLP: ``small``'s ``intermediate_size`` neurons kept, new neurons with fresh ``gate_proj``
           and ``up_proj`` rows and zero ``down_proj`` columns (no output until trained).
