@@ -5,7 +5,7 @@
 Each user turn runs the loop an agent framework runs:
 
 1. **call**: the model writes one tool call. Decoding is constrained to the tool-call grammar in
-   the model's own call format (:class:`selfspec.constraint.ToolCallConstraint`; SmolLM2-135M does
+   the model's own call format (:class:`selfspec.decoding.constraint.ToolCallConstraint`; SmolLM2-135M does
    not open calls on its own), so plain and speculative decoding apply the same mask and stay
    token-identical; the ``tools`` drafter drafts what the grammar forces (keys, punctuation, names).
 2. **tool**: the call is parsed and run by deterministic Python functions below; the result goes
@@ -15,7 +15,7 @@ Each user turn runs the loop an agent framework runs:
 
 Every generation runs twice, side by side in this process: plain decoding with no cache (a cold
 call, as without selfspec) and speculative decoding with one persistent drafter and one
-:class:`selfspec.prefix_cache.PrefixCache` for the session (the system prompt, tools and earlier
+:class:`selfspec.decoding.prefix_cache.PrefixCache` for the session (the system prompt, tools and earlier
 turns are not prefilled again). The table shows decode speed (tokens/s, speedup), the mean accepted
 length (MAT) and time to first token for both; greedy outputs are checked identical.
 """
@@ -35,10 +35,10 @@ import torch  # noqa: E402
 
 import selfspec  # noqa: E402
 from selfspec.chat import encode_chat  # noqa: E402
-from selfspec.constraint import ToolCallConstraint  # noqa: E402
+from selfspec.decoding.constraint import ToolCallConstraint  # noqa: E402
 from selfspec.drafters import drafter_from_spec  # noqa: E402
-from selfspec.prefix_cache import PrefixCache  # noqa: E402
-from selfspec.tree import TreeBuilder  # noqa: E402
+from selfspec.decoding.prefix_cache import PrefixCache  # noqa: E402
+from selfspec.decoding.tree import TreeBuilder  # noqa: E402
 
 TOOLS = [
     {"name": "get_weather", "description": "Current weather in a city.",

@@ -32,12 +32,12 @@ from .control import ControlConfig, Controller
 from .custom_generate import custom_generate
 from .drafters import DraftContext, Drafter, TargetSignature, build_drafter, load_drafter, register, save_drafter
 from .engine import SpecOutput, SpecStream, generate, stream
-from .loading import DEFAULT_TARGET, load_target
-from .metrics import SpecStats
-from .prefix_cache import PrefixCache
-from .sampling import SamplingConfig
-from .tree import DraftTree, Law, TreeBuilder, TreeTemplate
-from .verify import Verdict, verify_tree
+from .model.loading import DEFAULT_TARGET, load_target
+from .decoding.metrics import SpecStats
+from .decoding.prefix_cache import PrefixCache
+from .decoding.sampling import SamplingConfig
+from .decoding.tree import DraftTree, Law, TreeBuilder, TreeTemplate
+from .decoding.verify import Verdict, verify_tree
 
 __all__ = [
     "BatchOutput", "Pool", "ControlConfig", "Controller", "DEFAULT_TARGET", "DraftContext", "DraftTree", "Drafter", "Law", "PrefixCache", "SamplingConfig", "SpecOutput",

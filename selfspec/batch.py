@@ -10,7 +10,7 @@ hidden from every query by the mask. ``T`` is always ``max_b len_b``.
 never read) and all ``B * N`` nodes go through the unmodified model in one forward: tokens ``[B,
 N]``, ``position_ids[b, i] = len_b + depth_i``, a 4D mask ``[B, 1, N, T + N]`` per row (its
 committed slots, then its own tree's ancestor matrix; sliding windows as in
-:mod:`selfspec.attention_mask`). The pass appends the nodes at slots ``T .. T + N - 1`` of every
+:mod:`selfspec.model.attention_mask`). The pass appends the nodes at slots ``T .. T + N - 1`` of every
 row.
 
 **Commit, per row.** Row b's accepted path ``p_0 .. p_a`` moves from slots ``T + p_k`` to ``len_b +
@@ -21,10 +21,10 @@ batch; what remains of one is this indexed copy and, when a row leaves, one gath
 surviving rows (timed as ``commit_s`` / ``leave_s`` in :class:`PoolStats`). The cost is the holes:
 every row attends over ``T`` slots; a row far shorter than the longest one pays for the gap.
 
-**Requests.** Each row is a :class:`selfspec.request.Request` with its own controller (a fork of
+**Requests.** Each row is a :class:`selfspec.decoding.request.Request` with its own controller (a fork of
 the pool's: own drafters' state and arm draws, shared acceptance and cost models), sampling
 settings, generator, stop conditions and budget; every step is the one decode step
-(:func:`selfspec.step.step`): the same pure verifier as alone, each row weighing its tree against
+(:func:`selfspec.decoding.step.step`): the same pure verifier as alone, each row weighing its tree against
 its share of the pass (the cost model is read with the row count), one node budget for all rows
 (:mod:`selfspec.control.budget`), and the controller's :class:`~selfspec.control.gate.BatchGate`
 running plain steps while speculative steps measure slower per batch size.
@@ -49,13 +49,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .request import Request, SpecOutput, controller_for, model_lock
-from .step import step, sync
-from .lm_head import head_matches_forward
-from .attention_mask import MaskBuilder
-from .kv_cache import new_cache
-from .target import TreeOutput, TreeTarget, forward_model
-from .tree import DraftTree
+from .decoding.request import Request, SpecOutput, controller_for, model_lock
+from .decoding.step import step, sync
+from .model.lm_head import head_matches_forward
+from .model.attention_mask import MaskBuilder
+from .model.kv_cache import new_cache
+from .model.target import TreeOutput, TreeTarget, forward_model
+from .decoding.tree import DraftTree
 
 
 class BatchTarget:
@@ -91,7 +91,7 @@ class BatchTarget:
         """Prefill new rows together and append them to the batch. ``prompts``: ``[L_b]`` each;
         row b caches ``prompts[b][:-1]`` (right-padded to the longest, pads masked) and its last
         token is its first root. Returns each row's prefill output (see
-        :meth:`selfspec.target.TreeTarget.prefill`: ``hidden`` ``[1, H]`` at its last cached
+        :meth:`selfspec.model.target.TreeTarget.prefill`: ``hidden`` ``[1, H]`` at its last cached
         position, ``taps`` ``[L_b - 1, D]``; ``None`` for a one-token prompt)."""
         lengths = [int(p.shape[0]) - 1 for p in prompts]
         W, k = max(lengths), len(prompts)
@@ -178,7 +178,7 @@ class BatchTarget:
     def forward_trees(self, trees: list[DraftTree], handoffs: list | None = None) -> list[TreeOutput]:
         """One forward over every row's tree (``trees[b]`` rooted at row b's last token); the
         nodes' KV is appended to every row until :meth:`commit`. Returns each row's
-        :class:`~selfspec.target.TreeOutput` (``logits`` ``[n_b, V]``). No layer handoffs."""
+        :class:`~selfspec.model.target.TreeOutput` (``logits`` ``[n_b, V]``). No layer handoffs."""
         if len(trees) != self.rows:
             raise ValueError(f"got {len(trees)} trees for {self.rows} rows")
         if handoffs and any(h is not None for h in handoffs):
@@ -282,7 +282,7 @@ class PoolStats:
 
 @dataclass
 class Handle:
-    """A submitted request: ``output`` (a :class:`~selfspec.request.SpecOutput`) once done, or
+    """A submitted request: ``output`` (a :class:`~selfspec.decoding.request.SpecOutput`) once done, or
     ``error`` when its own code raised (its drafter, constraint, processors, stopping criteria or
     streamer: nothing else in the pool was changed by it), and its times on the pool's clock
     (``submitted`` <= ``admitted`` <= ``finished``)."""
@@ -312,7 +312,7 @@ class Pool:
     """Continuous batching over one model: :meth:`submit` requests, then :meth:`step` (or
     :meth:`run`); each step retires finished rows, admits waiting requests up to ``max_batch``
     (the joiners prefilled together in one pass, between the others' steps) and runs the decode
-    step (:func:`selfspec.step.step`) over every row. A pool of one row (``max_batch=1``) decodes
+    step (:func:`selfspec.decoding.step.step`) over every row. A pool of one row (``max_batch=1``) decodes
     its requests one after another with the pool's own controller (what ``selfspec.generate``
     runs for one prompt); wider pools give each request a fork of it.
 
@@ -323,9 +323,9 @@ class Pool:
         control: as in :func:`selfspec.generate`.
         max_batch: most rows decoding at once.
         clock: the pool's clock (seconds).
-        prefix_cache: a :class:`~selfspec.prefix_cache.PrefixCache` (``max_batch=1`` only): each
+        prefix_cache: a :class:`~selfspec.decoding.prefix_cache.PrefixCache` (``max_batch=1`` only): each
             prompt's longest cached prefix is not prefilled again; each output is stored.
-        target: the :class:`~selfspec.target.Target` to decode on (default: built for ``model``;
+        target: the :class:`~selfspec.model.target.Target` to decode on (default: built for ``model``;
             tests plug in table-driven targets, with ``model=None`` and requests built by hand).
     """
 
@@ -334,7 +334,7 @@ class Pool:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if prefix_cache is not None:
-            from .prefix_cache import PrefixCache
+            from .decoding.prefix_cache import PrefixCache
 
             if not isinstance(prefix_cache, PrefixCache):
                 raise ValueError(f"prefix_cache must be a selfspec PrefixCache, got {type(prefix_cache).__name__}")
@@ -372,7 +372,7 @@ class Pool:
         return self.add(Request.create(self.model, input_ids, None, streamer, **options))
 
     def add(self, request: Request) -> Handle:
-        """Queue an already validated :class:`~selfspec.request.Request` (its controller is set
+        """Queue an already validated :class:`~selfspec.decoding.request.Request` (its controller is set
         here: the pool's own in a pool of one row, a fork of it otherwise)."""
         index = next(self._count)
         if self.controller is not None:
@@ -494,7 +494,7 @@ class BatchOutput:
     """Result of :func:`selfspec.generate` on several prompts.
 
     Attributes:
-        outputs: one :class:`~selfspec.request.SpecOutput` per prompt, in input order.
+        outputs: one :class:`~selfspec.decoding.request.SpecOutput` per prompt, in input order.
         stats: the pool's :class:`PoolStats`.
     """
 

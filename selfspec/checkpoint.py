@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .drafters.base import TargetSignature
-from .fingerprint import target_fingerprint, tokenizer_fingerprint
+from .model.fingerprint import target_fingerprint, tokenizer_fingerprint
 
 FORMAT, VERSION = "selfspec-drafter", 1
 CONFIG_FILE, WEIGHTS_FILE = "drafter.json", "adapter.safetensors"

@@ -7,7 +7,7 @@
 arguments, the logits processors and warpers, the stopping criteria: length, EOS, stop strings)
 and then hands the decoding loop to the callable: selfspec decodes with the drafter, applying
 transformers' prepared processors at every tree node with that node's own path and its stopping
-criteria after every new token (:mod:`selfspec.logits_processing`), so the output has the law of
+criteria after every new token (:mod:`selfspec.decoding.logits_processing`), so the output has the law of
 ``model.generate`` without the hook (greedy: the same tokens; tested). Sampling draws from a
 ``torch.Generator`` seeded from torch's global generator (row b of a batch from that seed + b), so
 ``torch.manual_seed`` before the call makes it repeat. The result is the sequences tensor
@@ -52,7 +52,7 @@ def for_row(processor, row: int):
     nodes of that row). transformers' prepared repetition penalty holds each row's padding length
     (``prompt_ignore_length``, ``[B]``, when the batch is padded) and refuses other batch sizes;
     its row's copy holds that row's length as an int, which ignores the same positions. Every other
-    processor is a function of its inputs (see :mod:`selfspec.logits_processing`) and is returned
+    processor is a function of its inputs (see :mod:`selfspec.decoding.logits_processing`) and is returned
     as it is."""
     from transformers import RepetitionPenaltyLogitsProcessor
 

@@ -1,9 +1,9 @@
 """The public ``selfspec.generate`` and ``selfspec.stream``.
 
 Both decode through a :class:`selfspec.batch.Pool`: one prompt is a pool of one row, several
-prompts a batch; every step is the one decode step (:mod:`selfspec.step`): the drafter proposes a
+prompts a batch; every step is the one decode step (:mod:`selfspec.decoding.step`): the drafter proposes a
 tree rooted at the last committed token, the target scores the whole tree in one forward, the
-pure verifier accepts a path and emits one recovered or bonus token (:mod:`selfspec.verify`), and
+pure verifier accepts a path and emits one recovered or bonus token (:mod:`selfspec.decoding.verify`), and
 the KV cache keeps only the accepted path. ``drafter=None`` proposes root-only trees: plain
 one-token decoding through the same step, the fair baseline for speed comparisons.
 
@@ -25,7 +25,7 @@ import torch
 from .batch import BatchOutput, Pool, batch_pool, generate_batch, split_prompts
 from .control import ControlConfig, Controller
 from .drafters.base import Drafter
-from .request import SpecOutput
+from .decoding.request import SpecOutput
 
 #: Steps a stream's worker may run ahead of its consumer before it waits.
 STREAM_AHEAD = 8
@@ -57,7 +57,7 @@ def generate(
 ) -> "SpecOutput | BatchOutput":
     """Generate from a transformers causal LM, speculatively when a drafter is given.
 
-    Returns a :class:`~selfspec.request.SpecOutput` for one prompt and a
+    Returns a :class:`~selfspec.decoding.request.SpecOutput` for one prompt and a
     :class:`~selfspec.batch.BatchOutput` for several (as ``model.generate`` returns one layout
     for either, the type follows the input: a ``[L]`` / ``[1, L]`` prompt is one, a list of
     prompts or ``[B, L]`` ids with ``B > 1`` are several).
@@ -95,20 +95,20 @@ def generate(
         streamer: a transformers streamer (``put(ids)`` / ``end()``, e.g. ``TextStreamer``): gets
             the prompt first (as ``model.generate`` does; ``skip_prompt=True`` skips it), then each
             step's verified tokens ``[k]`` as soon as they are committed, then ``end()``.
-        prefix_cache: a :class:`selfspec.prefix_cache.PrefixCache`: the prompt's longest cached
+        prefix_cache: a :class:`selfspec.decoding.prefix_cache.PrefixCache`: the prompt's longest cached
             token prefix is not prefilled again, and this call's prompt and output are stored in it
             (same output as without it; see that module).
         tools: the functions the caller offers (OpenAI-style or BFCL JSON-schema list), checked
             here; drafters that use them (``tools`` kind, unions holding one) draft the text a
             tool call's grammar forces. Drafting only: the output law does not change.
-        constraint: a :class:`selfspec.constraint.Constraint` (e.g. ``ToolCallConstraint``): its
+        constraint: a :class:`selfspec.decoding.constraint.Constraint` (e.g. ``ToolCallConstraint``): its
             token mask is applied to the target's logits at every tree node, so the output equals
             constrained plain decoding (``drafter=None`` with the same constraint) exactly.
         generation_config: a transformers ``GenerationConfig`` (see ``temperature``).
         logits_processor: transformers logits processors (a list or ``LogitsProcessorList``),
             applied at every tree node with that node's own path as ``input_ids``, so the output
             law is that of plain decoding with the same processors
-            (:mod:`selfspec.logits_processing`; processors must be functions of their inputs).
+            (:mod:`selfspec.decoding.logits_processing`; processors must be functions of their inputs).
         stopping_criteria: transformers stopping criteria, asked after every new token; the
             output ends at the first token where one says stop (``finish_reason`` ``"stop"``).
         stop_strings / tokenizer: stop when the text ends with one of these strings

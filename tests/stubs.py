@@ -8,8 +8,8 @@ from dataclasses import replace
 import torch
 
 from selfspec.drafters.base import DraftContext, Drafter
-from selfspec.target import TreeOutput
-from selfspec.tree import DraftTree, Law, TreeBuilder
+from selfspec.model.target import TreeOutput
+from selfspec.decoding.tree import DraftTree, Law, TreeBuilder
 
 
 def fixed(drafter, **config):
@@ -29,7 +29,7 @@ def decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit
     import time
 
     from selfspec.batch import Pool
-    from selfspec.request import Request, Settings
+    from selfspec.decoding.request import Request, Settings
 
     request = Request(torch.as_tensor(ids), None, Settings(cfg, gen, max_new_tokens, set(eos), context_limit,
                                                             logits_processor, stopping_criteria, constraint, tools),
@@ -43,7 +43,7 @@ def decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit
 class TableTarget:
     """A cheap target: logits depend on the last two tokens through a fixed random table.
 
-    Implements the :class:`selfspec.target.Target` protocol for one row.
+    Implements the :class:`selfspec.model.target.Target` protocol for one row.
     """
 
     def __init__(self, vocab: int = 6, seed: int = 0, scale: float = 2.0, hidden_size: int = 0):

@@ -131,7 +131,7 @@ def test_what_should_work_does(model, case, kwargs):
 def test_a_tiny_temperature_is_greedy(model):
     """The law at T -> 0 is greedy's, and sampling there is computed without overflow; negative
     control: dividing the logits by the temperature as they are gives no law at all."""
-    from selfspec.sampling import SamplingConfig, target_probs
+    from selfspec.decoding.sampling import SamplingConfig, target_probs
 
     a = selfspec.generate(model, IDS, max_new_tokens=6, temperature=1e-300, seed=1)
     b = selfspec.generate(model, IDS, max_new_tokens=6)

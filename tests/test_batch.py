@@ -24,7 +24,7 @@ import selfspec
 from selfspec.batch import BatchTarget, Pool
 from selfspec.control.gate import BatchGate
 from selfspec.control.cost import CostModel
-from selfspec.sampling import SamplingConfig, target_probs
+from selfspec.decoding.sampling import SamplingConfig, target_probs
 from stubs import ScriptedDrafter, padded
 from test_distribution import chi_square_ok
 from tiny_models import FAMILIES, tiny_model
@@ -233,7 +233,7 @@ def _contexts(model, drafter, prompts, temperature):
     """One draft context per prompt as the engine builds it (its taps, its root's hidden state,
     its own generator)."""
     from selfspec.drafters.base import DraftContext
-    from selfspec.taps import capture_taps
+    from selfspec.model.taps import capture_taps
 
     ctxs = []
     for i, p in enumerate(prompts):

@@ -411,7 +411,7 @@ def test_a_method_on_another_copy_of_the_target(tmp_path):
 
 
 def test_results_name_the_cpu_and_its_speed_flags():
-    from selfspec.machine import cpu_identity, cpu_label
+    from selfspec.model.machine import cpu_identity, cpu_label
 
     info = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16 sse\n"
     c = cpu_identity(info)

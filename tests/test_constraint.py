@@ -10,10 +10,10 @@ import itertools
 import pytest
 import torch
 
-from selfspec.constraint import Constraint
+from selfspec.decoding.constraint import Constraint
 from stubs import decode
-from selfspec.sampling import SamplingConfig, target_probs
-from selfspec.tree import Law
+from selfspec.decoding.sampling import SamplingConfig, target_probs
+from selfspec.decoding.tree import Law
 from stubs import ScriptedDrafter, fixed, table_target
 from test_distribution import chi_square_ok, control_samples
 

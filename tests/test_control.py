@@ -12,8 +12,8 @@ from selfspec.control.merge import member_sources, merge, node_values, size_tree
 from selfspec.drafters.base import DraftContext
 from stubs import decode
 from selfspec.measurement.exit_search import rank_exits
-from selfspec.sampling import SamplingConfig
-from selfspec.tree import DraftTree, Law, TreeBuilder
+from selfspec.decoding.sampling import SamplingConfig
+from selfspec.decoding.tree import DraftTree, Law, TreeBuilder
 from stubs import OracleDrafter, ScriptedDrafter, TimedTarget, VirtualClock as Clock, fixed, table_target
 
 

@@ -7,7 +7,7 @@ tokens), whose law of the first three generated tokens is enumerated exactly:
   computed once; N = 2e5 generations (1e6 for one case) walk in lockstep, each round drafting one tree per walker
   (vectorised stub drafts: point-mass, i.i.d., without-replacement and mixed children, all poor so
   that acceptances, recoveries and bonus tokens all occur) and verifying all of them with the
-  engine's own verifier (:func:`selfspec.verify.verify_batch`, the code ``verify_tree`` runs with
+  engine's own verifier (:func:`selfspec.decoding.verify.verify_batch`, the code ``verify_tree`` runs with
   B = 1). Every child law is crossed with temperature, top-k and top-p. Seconds per case.
 * **Decode-loop harness**: fewer samples through the real engine loop (``decode``: tree
   building, the target protocol, commits, the controller's arms, merges and cuts), for what the
@@ -30,11 +30,11 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-import selfspec.verify as verify_mod
+import selfspec.decoding.verify as verify_mod
 from stubs import decode
-from selfspec.sampling import SamplingConfig, sample, target_probs
-from selfspec.tree import DraftTree, Law
-from selfspec.verify import TreeBatch, verify_batch
+from selfspec.decoding.sampling import SamplingConfig, sample, target_probs
+from selfspec.decoding.tree import DraftTree, Law
+from selfspec.decoding.verify import TreeBatch, verify_batch
 from stubs import ScriptedDrafter, TimedTarget, VirtualClock, fixed, table_target
 
 VOCAB, PROMPT, NEW, SAMPLES = 6, [1, 2], 3, 20000
@@ -548,7 +548,7 @@ def test_inverse_cdf_draws_follow_the_law_and_never_a_zero_probability_token():
     """``sampling.draw`` (rows of a batch, unnormalised rows, zeros inside and at both ends) and
     ``draw_without_replacement`` (ordered pairs) against their exact laws at 1e-6; a sampler that
     draws the second token from the full law (with replacement) fails the same check."""
-    from selfspec.sampling import draw as draw_rows, draw_without_replacement
+    from selfspec.decoding.sampling import draw as draw_rows, draw_without_replacement
 
     p = torch.tensor([0.0, 0.3, 0.0, 0.05, 0.45, 0.2, 0.0])
     rows = torch.stack([p, 2 * p.flip(0)])  # a second row, unnormalised
@@ -587,7 +587,7 @@ def test_inverse_cdf_draws_follow_the_law_and_never_a_zero_probability_token():
 def test_inverse_cdf_edge_of_the_unit_interval_falls_on_a_positive_token(monkeypatch):
     """A uniform number that rounds the target point up to the total still lands on the last
     token of positive mass, never past it or on a trailing zero."""
-    from selfspec import sampling
+    from selfspec.decoding import sampling
 
     monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.ones(a[0], 1, dtype=torch.float64))
     assert sampling.draw(torch.tensor([[0.2, 0.8, 0.0, 0.0]]), torch.Generator()).tolist() == [1]

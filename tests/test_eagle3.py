@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import selfspec
-import selfspec.verify as verify_mod
+import selfspec.decoding.verify as verify_mod
 from selfspec.checkpoint import CheckpointError
 from selfspec.drafters import Eagle3Config, build_drafter, load_drafter, save_drafter
-from selfspec.sampling import SamplingConfig
-from selfspec.taps import capture_taps
-from selfspec.target import TreeTarget
+from selfspec.decoding.sampling import SamplingConfig
+from selfspec.model.taps import capture_taps
+from selfspec.model.target import TreeTarget
 from test_distribution import _stale_bonus, chi_square_ok, control_samples
 from test_layerskip import _exact_law  # same 6-token vocabulary, prompt and 3 new tokens
 from tiny_models import FAMILIES, tiny_model
@@ -154,7 +154,7 @@ def test_steps_not_drafted_are_caught_up_at_the_next_proposal():
     one call at its next proposal, which then drafts the same tree as a head that drafted every
     step, from the taps of every committed position (``ctx.features``)."""
     from selfspec.drafters.base import DraftContext
-    from selfspec.sampling import SamplingConfig
+    from selfspec.decoding.sampling import SamplingConfig
 
     model = tiny_model("llama", layers=5)
     every = _randomise(build_drafter(model, "eagle3", draft_vocab_size=64), scale=0.5)
@@ -341,7 +341,7 @@ def test_negative_control_fails_in_the_same_harness(monkeypatch):
 def test_int8_head_is_a_copy_rebuilt_when_the_head_changes():
     """Drafting with int8 weights never changes the head (training, export and checkpoints read
     it) and never drafts from a stale copy."""
-    from selfspec.int8_linear import Int8Linear
+    from selfspec.kernels.int8_linear import Int8Linear
 
     model = tiny_model("llama", layers=5)
     drafter = _randomise(build_drafter(model, "eagle3", draft_vocab_size=32, head_weights="int8"))
@@ -403,7 +403,7 @@ def _stored_with_every_tree(model, drafter, folder, own: dict, config: dict | No
 
     from selfspec.checkpoint import CONFIG_FILE
     from selfspec.drafters import union_member
-    from selfspec.machine import machine_key
+    from selfspec.model.machine import machine_key
 
     save_drafter(drafter, folder)
     meta = json.loads((folder / CONFIG_FILE).read_text())
@@ -829,7 +829,7 @@ def test_divergence_diagnosis_replays_the_engine_schedules_and_flags_a_clear_mar
     assert clear.margin > 4 * max(clear.rounding_gap, clear.ulp) and not clear.explained, found
 
 def test_dtype_auto_and_names():
-    from selfspec.loading import resolve_dtype
+    from selfspec.model.loading import resolve_dtype
 
     assert resolve_dtype(None) == torch.float32 and resolve_dtype("bfloat16") == torch.bfloat16
     assert resolve_dtype("auto") in (torch.bfloat16, torch.float32)
@@ -842,7 +842,7 @@ def test_taps_ignore_another_threads_forward_of_the_same_model():
     model in another thread meanwhile leaves the record as the pass alone would write it."""
     import threading
 
-    from selfspec.taps import capture_taps
+    from selfspec.model.taps import capture_taps
 
     model = tiny_model("llama", layers=5)
     other = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])

@@ -34,15 +34,15 @@ import pytest
 import torch
 
 import selfspec
-import selfspec.verify as verify_mod
+import selfspec.decoding.verify as verify_mod
 from selfspec.drafters import build_drafter
 
 import selfspec.drafters.expander as expander_mod
 from selfspec.drafters.base import DraftContext
 from selfspec.drafters.expander import TreePolicy, expand
-from selfspec.sampling import SamplingConfig, target_probs
-from selfspec.tree import DraftTree
-from selfspec.verify import TreeBatch, verify_batch
+from selfspec.decoding.sampling import SamplingConfig, target_probs
+from selfspec.decoding.tree import DraftTree
+from selfspec.decoding.verify import TreeBatch, verify_batch
 from stubs import table_target
 from test_distribution import NEW, PROMPT, VOCAB, chi_square_ok, control_samples, exact_law
 

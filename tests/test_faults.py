@@ -1,4 +1,4 @@
-"""Faults stay with their request (selfspec.step): a request whose own code raises ends with that
+"""Faults stay with their request (selfspec.decoding.step): a request whose own code raises ends with that
 error on its handle, and nothing else in the pool changes.
 
 * Random faults: in each trial one random row's stopping criterion, logits processor, streamer
@@ -22,7 +22,7 @@ import torch
 
 import selfspec
 from selfspec.batch import Pool
-from selfspec.request import Request
+from selfspec.decoding.request import Request
 from test_batch import PROMPTS, VOCAB, _drafters, alone
 from tiny_models import tiny_model
 

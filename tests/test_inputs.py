@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.loading import resolve
+from selfspec.model.loading import resolve
 from tiny_models import tiny_model
 
 PROMPT = torch.tensor([[1, 2, 3, 4]])
@@ -184,7 +184,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns(tmp_path, monkeypatch):
 
     from tiny_models import tiny_tokenizer
 
-    import selfspec.loading as loading
+    import selfspec.model.loading as loading
 
     model = tiny_model("llama", vocab=64, dtype=torch.float32)
     model.save_pretrained(tmp_path)
@@ -211,7 +211,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns(tmp_path, monkeypatch):
 def test_auto_dtype_weighs_a_plain_step_and_a_tree_pass(monkeypatch, costs, want):
     """``dtype="auto"``: bf16 where its plain step is 20% faster, or at most 5% slower with a tree
     pass 20% faster (speculative decoding's shape); float32 otherwise."""
-    import selfspec.loading as loading
+    import selfspec.model.loading as loading
 
     monkeypatch.setattr(loading, "bf16_is_fast", lambda device="cpu": True)
     monkeypatch.setattr(loading, "_BF16_FASTER", {})

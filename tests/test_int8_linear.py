@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from selfspec.int8_linear import KERNEL_BLOCK, Int8Linear, quantize_linears, quantize_rows
+from selfspec.kernels.int8_linear import KERNEL_BLOCK, Int8Linear, quantize_linears, quantize_rows
 
 
 def _linear(n, k, bias=False, dtype=torch.float32, seed=0):

@@ -11,10 +11,10 @@ import torch
 import selfspec
 from selfspec.checkpoint import CheckpointError
 from selfspec.drafters import DraftContext, build_drafter, load_drafter, save_drafter
-from selfspec.lm_head import lm_logits
-from selfspec.sampling import SamplingConfig, target_probs
-from selfspec.target import TreeTarget
-import selfspec.verify as verify_mod
+from selfspec.model.lm_head import lm_logits
+from selfspec.decoding.sampling import SamplingConfig, target_probs
+from selfspec.model.target import TreeTarget
+import selfspec.decoding.verify as verify_mod
 from test_distribution import _stale_bonus, chi_square_ok, control_samples
 from tiny_models import FAMILIES, tiny_model
 

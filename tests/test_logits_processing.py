@@ -14,11 +14,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, StoppingCriteria
 
 import selfspec
-import selfspec.logits_processing as lp
-import selfspec.request
+import selfspec.decoding.logits_processing as lp
+import selfspec.decoding.request
 from selfspec.drafters import build_drafter
 from stubs import decode
-from selfspec.sampling import SamplingConfig, target_probs
+from selfspec.decoding.sampling import SamplingConfig, target_probs
 from stubs import ScriptedDrafter, fixed, padded, table_target
 from test_distribution import NEW, PROMPT, SAMPLES, VOCAB, chi_square_ok, control_samples
 from tiny_models import FAMILIES, tiny_model
@@ -57,9 +57,9 @@ def test_the_models_generation_config_is_the_default_and_arguments_override_it()
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.8, top_k=5, max_new_tokens=12)
     out = selfspec.generate(model, IDS, seed=0, eos_token_id=[])
     assert out.sequences.shape[1] == IDS.shape[1] + 12
-    cfg, processors, n = selfspec.request.sampling(model, None, None, None, None, None)
+    cfg, processors, n = selfspec.decoding.request.sampling(model, None, None, None, None, None)
     assert cfg.temperature == 1.0 and [type(p).__name__ for p in processors] == ["TemperatureLogitsWarper", "TopKLogitsWarper"]
-    cfg, processors, n = selfspec.request.sampling(model, None, 0.0, None, None, 7)
+    cfg, processors, n = selfspec.decoding.request.sampling(model, None, 0.0, None, None, 7)
     assert cfg.greedy and processors == [] and n == 7
     greedy = selfspec.generate(model, IDS, temperature=0, max_new_tokens=12, eos_token_id=[])
     assert torch.equal(greedy.sequences, model.generate(IDS, do_sample=False, max_new_tokens=12, pad_token_id=0))
@@ -204,7 +204,7 @@ def test_processed_law_equals_plain_processed_law(lossy, monkeypatch):
             root = type(tree).root_only(int(tree.tokens[0]))
             return torch.cat([real(processor, committed, root, logits[i:i + 1]) for i in range(logits.shape[0])])
 
-        monkeypatch.setattr(selfspec.request, "process_tree", root_path_for_all)
+        monkeypatch.setattr(selfspec.decoding.request, "process_tree", root_path_for_all)
     cfg = SamplingConfig(0.9)
     n = control_samples(SAMPLES) if lossy else SAMPLES
     ok, msg = chi_square_ok(_processed_law(cfg), _counts(cfg, n), n=n)

@@ -12,10 +12,10 @@ import torch
 
 import selfspec
 from selfspec.drafters import build_drafter, load_drafter, save_drafter
-from selfspec.layer_slice import LayerSlice
-from selfspec.lm_head import lm_logits
-from selfspec.sampling import SamplingConfig
-import selfspec.verify as verify_mod
+from selfspec.model.layer_slice import LayerSlice
+from selfspec.model.lm_head import lm_logits
+from selfspec.decoding.sampling import SamplingConfig
+import selfspec.decoding.verify as verify_mod
 from test_distribution import _stale_bonus, chi_square_ok, control_samples
 from test_layerskip import PROMPT, SAMPLES, _exact_law, _peaked_model, _sampled_counts
 from tiny_models import FAMILIES, tiny_model

@@ -10,9 +10,9 @@ import torch
 import selfspec
 from selfspec.checkpoint import CheckpointError
 from selfspec.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
-from selfspec.sampling import SamplingConfig
+from selfspec.decoding.sampling import SamplingConfig
 from stubs import FakeLM
-import selfspec.verify as verify_mod
+import selfspec.decoding.verify as verify_mod
 from test_distribution import SAMPLES, SETTINGS, _stale_bonus, chi_square_ok, control_samples, draw_with, exact_law
 from tiny_models import FAMILIES, tiny_model
 

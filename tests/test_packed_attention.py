@@ -1,4 +1,4 @@
-"""Packed grouped-query attention (selfspec.attention) computes transformers' SDPA attention: the
+"""Packed grouped-query attention (selfspec.kernels.attention) computes transformers' SDPA attention: the
 function against transformers' own on tree masks, tree logits against sequential passes on every
 supported family, greedy identity and the sampled law through the packed path, plain decoding
 untouched; negative control: a packing whose mask rows are in the wrong order fails the same
@@ -12,10 +12,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from selfspec.attention import NAME, packed_sdpa_attention, use_packed_attention
+from selfspec.kernels.attention import NAME, packed_sdpa_attention, use_packed_attention
 import selfspec
-from selfspec.sampling import SamplingConfig
-from selfspec.target import TreeTarget
+from selfspec.decoding.sampling import SamplingConfig
+from selfspec.model.target import TreeTarget
 from stubs import OracleDrafter
 from test_greedy_identity import PROMPT, VOCAB, hf_greedy
 from test_tree_attention import _reference, _tree

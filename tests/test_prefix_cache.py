@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.prefix_cache import PrefixCache
+from selfspec.decoding.prefix_cache import PrefixCache
 from tiny_models import FAMILIES, tiny_model
 
 SYSTEM = [3, 9, 27, 3, 9, 27, 3, 9, 5, 11, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]  # a shared "system prompt"
@@ -68,7 +68,7 @@ def test_reused_state_equals_a_cold_prefill_and_a_corrupted_entry_does_not():
     """The prefill's last hidden state and taps after reuse equal a cold prefill's (float64); the
     negative control corrupts the cached values and must change them (so the identity tests above
     do run through the reuse path)."""
-    from selfspec.target import TreeTarget
+    from selfspec.model.target import TreeTarget
 
     model = tiny_model("llama", vocab=64, layers=3)
     first = torch.tensor(SYSTEM + [7, 8, 9])

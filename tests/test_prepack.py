@@ -1,4 +1,4 @@
-"""Prepacked bf16 linear layers (``selfspec.prepack``): same function as ``nn.Linear``, never stale,
+"""Prepacked bf16 linear layers (``selfspec.kernels.prepack``): same function as ``nn.Linear``, never stale,
 and speculative greedy decoding on a prepacked target leaves plain greedy only at rounding near-ties."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from torch import nn
 import selfspec
 from selfspec.drafters import build_drafter
 from selfspec.measurement.measure import divergence
-from selfspec.prepack import PrepackedLinear, prepack_available, prepack_linears
+from selfspec.kernels.prepack import PrepackedLinear, prepack_available, prepack_linears
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(not prepack_available(torch.bfloat16, "cpu"),

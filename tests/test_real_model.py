@@ -47,7 +47,7 @@ def test_tool_call_constraint_and_schema_drafts_on_the_real_model(smollm):
     several tokens per step (keys and punctuation are free)."""
     import json
 
-    from selfspec.constraint import ToolCallConstraint
+    from selfspec.decoding.constraint import ToolCallConstraint
 
     if importlib.util.find_spec("llguidance") is None:
         pytest.skip("pip install llguidance")

@@ -1,4 +1,4 @@
-"""Skinny float32 linear layers (``selfspec.skinny_linear``): the same function as ``nn.Linear``,
+"""Skinny float32 linear layers (``selfspec.kernels.skinny_linear``): the same function as ``nn.Linear``,
 bitwise the same for one row and for training, and speculative greedy decoding on a target that
 uses them leaves plain greedy only at rounding near-ties (with a negative control)."""
 
@@ -13,7 +13,7 @@ from torch import nn
 import selfspec
 from selfspec.drafters import build_drafter
 from selfspec.measurement.measure import divergence
-from selfspec.skinny_linear import MAX_ROWS, SkinnyLinear, skinny_available, use_skinny_linears
+from selfspec.kernels.skinny_linear import MAX_ROWS, SkinnyLinear, skinny_available, use_skinny_linears
 from tiny_models import tiny_model
 
 
@@ -131,7 +131,7 @@ def test_skinny_applies_to_float32_on_cpu_only():
 def test_skinny_is_the_default_only_where_it_was_measured_faster():
     """AVX2 without AVX-512 (round 24's EPYC): on by default; AVX-512 or AMX (round 28's Xeon,
     where it was measured slower): off unless asked for; never for bf16 or on a GPU."""
-    from selfspec.skinny_linear import skinny_pays
+    from selfspec.kernels.skinny_linear import skinny_pays
 
     avx2, avx512, amx = ({"flags": f} for f in (["avx2"], ["avx2", "avx512f"], ["avx2", "avx512f", "amx_bf16"]))
     assert skinny_pays(torch.float32, "cpu", avx2)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import selfspec
-import selfspec.verify as verify_mod
+import selfspec.decoding.verify as verify_mod
 from selfspec.drafters import SuffixConfig, SuffixDrafter
 from selfspec.drafters.base import DraftContext
-from selfspec.sampling import SamplingConfig
-from selfspec.suffix_trie import SuffixTrie, TrieCursor
+from selfspec.decoding.sampling import SamplingConfig
+from selfspec.drafters.suffix_trie import SuffixTrie, TrieCursor
 from test_distribution import chi_square_ok, control_samples, draw_with, exact_law
 from tiny_models import FAMILIES, tiny_model
 

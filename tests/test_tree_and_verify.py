@@ -7,9 +7,9 @@ import torch
 
 from selfspec.drafters.base import DraftContext
 from selfspec.drafters.ngram import NgramConfig, NgramDrafter
-from selfspec.sampling import SamplingConfig, target_probs
-from selfspec.tree import DraftTree, Law, TreeBuilder, TreeTemplate
-from selfspec.verify import verify_tree
+from selfspec.decoding.sampling import SamplingConfig, target_probs
+from selfspec.decoding.tree import DraftTree, Law, TreeBuilder, TreeTemplate
+from selfspec.decoding.verify import verify_tree
 
 
 def test_builder_depths_children_ancestors():
@@ -90,7 +90,7 @@ def test_ngram_grows_its_first_chain_while_accepted_whole_and_resets_on_a_miss()
     had room for fewer tokens) neither grows nor lowers it; a step whose tree was not its own
     leaves the cap as it is. Equal to ``max_depth`` the depth is fixed."""
     from selfspec.drafters.base import Step
-    from selfspec.verify import Verdict
+    from selfspec.decoding.verify import Verdict
 
     def observe(drafter, tree, verdict):
         tokens = tree.tokens[verdict.path[1:]].tolist() + [verdict.next_token]
@@ -218,7 +218,7 @@ def test_all_zero_residual_falls_back_instead_of_emitting_zero_probability():
 def _forced_rejection(monkeypatch, tree, probs):
     """Verify ``tree`` with every coin just below 1 (so a child whose law is not below the residual
     at its token is rejected); returns the law the final token was drawn from."""
-    import selfspec.verify as verify_mod
+    import selfspec.decoding.verify as verify_mod
 
     drawn = []
     real_draw = verify_mod._draw
@@ -245,7 +245,7 @@ def test_residual_floor_follows_the_dtype(monkeypatch):
     """In float32, a draft law equal to the target's up to rounding leaves ~1e-7 of noise after a
     rejection: above the old fixed floor (1e-12), below float32's (16 eps = 1.9e-6), so the noise is
     not renormalised into a law. In float64 the floor is 3.6e-15."""
-    from selfspec.verify import residual_floor
+    from selfspec.decoding.verify import residual_floor
 
     assert residual_floor(torch.float32) == pytest.approx(1.9e-6, rel=0.01)
     assert residual_floor(torch.float64) == pytest.approx(3.55e-15, rel=0.01)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.target import TreeTarget
-from selfspec.tree import TreeBuilder
+from selfspec.model.target import TreeTarget
+from selfspec.decoding.tree import TreeBuilder
 from tiny_models import FAMILIES, tiny_model
 
 
@@ -83,7 +83,7 @@ def test_unknown_layer_type_is_refused():
 
 
 def test_own_lm_head_shortcut_only_when_it_matches_the_forward():
-    from selfspec.lm_head import head_matches_forward
+    from selfspec.model.lm_head import head_matches_forward
 
     for family in FAMILIES:  # gemma3 soft-caps its logits: the shortcut must reproduce that
         assert head_matches_forward(tiny_model(family)), family

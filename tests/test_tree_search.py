@@ -2,8 +2,8 @@ from itertools import combinations
 
 import pytest
 
-from selfspec.tree import TreeTemplate
-from selfspec.tree_search import best_tree, expected_accepted_length
+from selfspec.decoding.tree import TreeTemplate
+from selfspec.training.tree_search import best_tree, expected_accepted_length
 
 ACC = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.05], [0.4, 0.1, 0.05]]
 

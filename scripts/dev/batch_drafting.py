@@ -31,8 +31,8 @@ def contexts(model, tokenizer, drafter, questions, extra: int):
     import selfspec
     from selfspec.chat import encode_chat
     from selfspec.drafters.base import DraftContext
-    from selfspec.sampling import SamplingConfig
-    from selfspec.taps import capture_taps
+    from selfspec.decoding.sampling import SamplingConfig
+    from selfspec.model.taps import capture_taps
 
     out = []
     for i, q in enumerate(questions):

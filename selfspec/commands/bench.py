@@ -181,7 +181,7 @@ def run(ap, args, argv) -> None:
 
     constrain = None
     if args.constrain == "tool-call":
-        from selfspec.constraint import ToolCallConstraint
+        from selfspec.decoding.constraint import ToolCallConstraint
 
         def constrain(q):
             if not q.meta.get("tools"):

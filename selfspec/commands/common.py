@@ -15,7 +15,7 @@ import argparse
 import sys
 from contextlib import contextmanager
 
-from selfspec.loading import DEFAULT_TARGET
+from selfspec.model.loading import DEFAULT_TARGET
 
 #: Exceptions that mean bad input, not a bug in selfspec.
 EXPECTED = (ValueError, TypeError, OSError, ImportError, FloatingPointError)

@@ -20,7 +20,7 @@ from selfspec.chat import encode_chat
 from selfspec.commands.common import add_model_args, fail, load_model
 from selfspec.control import ControlConfig, Controller
 from selfspec.drafters import drafter_from_spec, recommended_setting, shipped_checkpoint
-from selfspec.machine import bf16_is_fast
+from selfspec.model.machine import bf16_is_fast
 from selfspec.measurement.measure import compare, divergence
 
 DEFAULT_PROMPT = (

@@ -36,8 +36,8 @@ from typing import Any
 from typing import Sequence
 
 from ..drafters.base import DraftContext, Drafter, Proposal, Requirements, Step
-from ..tree import DraftTree
-from ..verify import Verdict
+from ..decoding.tree import DraftTree
+from ..decoding.verify import Verdict
 from .acceptance import AcceptanceModel, temperature_bucket
 from .cost import CostModel, verify_curve
 from .gate import BatchGate

@@ -159,8 +159,8 @@ def verify_curve(model, *, context: int = 256, repeats: int = 3) -> tuple[dict[i
 def measure_verify_curve(model, *, context: int = 256, repeats: int = 3) -> dict[int, float]:
     """Median seconds of a tree pass (a chain of n nodes) plus commit over a ``context``-token
     prefix, for each size of :data:`SIZES` the model's context allows."""
-    from ..target import TreeTarget, context_length
-    from ..tree import TreeBuilder
+    from ..model.target import TreeTarget, context_length
+    from ..decoding.tree import TreeBuilder
 
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     limit = context_length(model) or context + SIZES[-1] + 1

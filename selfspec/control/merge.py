@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..tree import DraftTree, Law, TreeBuilder
+from ..decoding.tree import DraftTree, Law, TreeBuilder
 from .acceptance import Cell
 
 

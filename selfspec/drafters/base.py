@@ -10,7 +10,7 @@ else, and probes nothing):
 ``kind``          registry name (:func:`selfspec.drafters.register`)
 ``requires``      :class:`Requirements`: what the engine must provide (declared, never probed)
 ``config``        the drafter's typed options (a dataclass), or ``None``
-``propose``       ``DraftContext -> Proposal`` (or a bare :class:`~selfspec.tree.DraftTree`)
+``propose``       ``DraftContext -> Proposal`` (or a bare :class:`~selfspec.decoding.tree.DraftTree`)
 ``observe``       a committed :class:`Step` (every step, drafted or not)
 ``reset``         a new generation starts
 ``end``           a generation ended (drafters that learn from outputs keep them)
@@ -37,7 +37,7 @@ A new drafter is one file::
 
     register("mine", lambda model, **opts: MyDrafter(model=model))
 
-Sampled children must record their law and draft distribution in the tree (:mod:`selfspec.tree`);
+Sampled children must record their law and draft distribution in the tree (:mod:`selfspec.decoding.tree`);
 the verifier does the rest. Whatever a drafter proposes, the output law is the target's.
 """
 
@@ -50,9 +50,9 @@ from typing import Any
 
 import torch
 
-from ..sampling import SamplingConfig
-from ..tree import DraftTree
-from ..verify import Verdict
+from ..decoding.sampling import SamplingConfig
+from ..decoding.tree import DraftTree
+from ..decoding.verify import Verdict
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class Requirements:
     Attributes:
         hidden: ``ctx.root_hidden`` (the target's last hidden state at the root's predictor).
         taps: target hidden-state taps (transformers ``hidden_states`` indices) read from
-            ``ctx.features``; the verify pass records them (:mod:`selfspec.taps`).
+            ``ctx.features``; the verify pass records them (:mod:`selfspec.model.taps`).
         target_cache: the drafter can run the target's first layers in the target's own cache
             (``ctx.cache``) and hand their outputs to the verify pass (:class:`Proposal` handoff).
         tools: the drafter reads the caller's tool definitions (``ctx.tools``).
@@ -151,7 +151,7 @@ class Proposal:
 
     Attributes:
         tree: the draft tree (rooted at ``ctx.root_token``, depth <= ``ctx.max_depth``).
-        handoff: a :class:`selfspec.target.LayerHandoff` when the drafter ran the target's first
+        handoff: a :class:`selfspec.model.target.LayerHandoff` when the drafter ran the target's first
             layers over every node of ``tree`` in ``ctx.cache`` (the verify pass then runs only
             the layers above); ``None`` otherwise.
     """

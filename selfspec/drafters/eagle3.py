@@ -3,7 +3,7 @@
 The head (:mod:`selfspec.drafters.eagle3_head`) keeps its own KV cache of *committed pairs*: pair t
 = (fused taps of position t, embedding of token t + 1), t = 0 .. P - 1 with P = len(tokens) - 1, so
 the last committed pair ends with the root and its output predicts the first draft level. The
-verify pass records the taps of every committed position (:mod:`selfspec.taps`), which the engine
+verify pass records the taps of every committed position (:mod:`selfspec.model.taps`), which the engine
 shows in ``ctx.features``; each ``propose`` first runs the pairs it has not run yet (one fused call,
 which also yields the first level; after steps it did not draft, all of them at once), then one
 fused call per draft level (:mod:`selfspec.drafters.expander`), and finally drops the tree's keys
@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from ..int8_linear import quantize_linears
-from ..tree import DraftTree
+from ..kernels.int8_linear import quantize_linears
+from ..decoding.tree import DraftTree
 from .base import DraftContext, Drafter, Requirements, TargetSignature
 from .registry import register
 from .eagle3_head import Eagle3Head, default_taps, draft_layer_config
@@ -59,7 +59,7 @@ class Eagle3Config:
 class Eagle3Policy(TreePolicy):
     """How the head drafts: the tree policy, and ``head_weights``: ``"native"`` drafts with the
     head's weights as they are; ``"int8"`` with an int8 weight-only copy of its linear layers
-    (:mod:`selfspec.int8_linear`: half the bytes a draft call reads; drafts only); ``"auto"``:
+    (:mod:`selfspec.kernels.int8_linear`: half the bytes a draft call reads; drafts only); ``"auto"``:
     int8 where the head runs in bf16 on a CPU whose int8 kernel passes its check, else native (there
     the int8 draft step is faster than the unpacked bf16 one; the measurement is in
     docs/decisions.md)."""

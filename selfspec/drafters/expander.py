@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from ..sampling import draw_without_replacement, target_probs
-from ..tree import DraftTree, Law, TreeBuilder
+from ..decoding.sampling import draw_without_replacement, target_probs
+from ..decoding.tree import DraftTree, Law, TreeBuilder
 from .base import DraftContext
 
 

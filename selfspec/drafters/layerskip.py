@@ -29,12 +29,12 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
-from ..attention_mask import MaskBuilder
-from ..kv_cache import cache_length, new_cache
-from ..layer_slice import LayerSlice, num_layers
-from ..lm_head import lm_logits
-from ..target import LayerHandoff
-from ..tree import DraftTree, TreeBuilder
+from ..model.attention_mask import MaskBuilder
+from ..model.kv_cache import cache_length, new_cache
+from ..model.layer_slice import LayerSlice, num_layers
+from ..model.lm_head import lm_logits
+from ..model.target import LayerHandoff
+from ..decoding.tree import DraftTree, TreeBuilder
 from .base import DraftContext, Drafter, Proposal, Requirements, TargetSignature
 from .registry import register
 from .expander import TreePolicy, expand, expand_many

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..layer_slice import num_layers
+from ..model.layer_slice import num_layers
 
 
 def decoder_path(model) -> str:

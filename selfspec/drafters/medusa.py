@@ -7,7 +7,7 @@ starts as a copy of the LM head) and then through the target's frozen LM head (s
 an own trainable LM head, predicting the token k positions after the root, i.e. depth k of the
 draft tree. The heads read the hidden state the verify pass already computed: no extra target pass.
 
-The tree is a static :class:`~selfspec.tree.TreeTemplate` filled with each head's top-k tokens as
+The tree is a static :class:`~selfspec.decoding.tree.TreeTemplate` filled with each head's top-k tokens as
 point-mass children, so verification is exact at any temperature. The target itself is never
 modified: heads are a separate module saved as a small adapter checkpoint
 (:mod:`selfspec.checkpoint`) tied to the target's fingerprint.
@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from ..lm_head import lm_logits
-from ..tree import DraftTree, TreeBuilder, TreeTemplate
+from ..model.lm_head import lm_logits
+from ..decoding.tree import DraftTree, TreeBuilder, TreeTemplate
 from .base import DraftContext, Drafter, Requirements, TargetSignature
 from .registry import config_from_options, register
 from .residual import ResBlock

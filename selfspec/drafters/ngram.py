@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tree import DraftTree, TreeBuilder
+from ..decoding.tree import DraftTree, TreeBuilder
 
 #: Matches (longest n-gram first, most recent first) merged into one draft trie.
 MAX_MATCHES = 4

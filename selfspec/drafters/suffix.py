@@ -1,6 +1,6 @@
 """Suffix drafting (SuffixDecoding): frequency-scored trees from the context and from past outputs.
 
-Two :class:`~selfspec.suffix_trie.SuffixTrie` indexes: a per-generation one over the prompt and the
+Two :class:`~selfspec.drafters.suffix_trie.SuffixTrie` indexes: a per-generation one over the prompt and the
 output so far (extended as tokens are committed), and a global one over the outputs of earlier
 generations with this drafter (bounded in tokens; the oldest outputs are evicted first). Each step
 finds, in each index, the longest suffix of the context (at most ``max_depth - max_nodes`` tokens,
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..suffix_trie import Draft, SuffixTrie, TrieCursor
-from ..tree import DraftTree, TreeBuilder
+from .suffix_trie import Draft, SuffixTrie, TrieCursor
+from ..decoding.tree import DraftTree, TreeBuilder
 from .base import DraftContext, Drafter, Requirements, TargetSignature
 from .registry import config_from_options, register
 

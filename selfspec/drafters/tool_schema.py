@@ -1,8 +1,8 @@
 """Tool-schema drafting: the text a tool-call grammar forces is drafted for free.
 
 When the caller passes ``tools`` (``generate(..., tools=...)``), this drafter follows the output
-text with a :class:`~selfspec.tool_grammar.ToolCallTracker`: once the model opens a call in its own
-format (detected from the chat template, see :class:`~selfspec.tool_grammar.CallFormat`), the
+text with a :class:`~selfspec.decoding.tool_grammar.ToolCallTracker`: once the model opens a call in its own
+format (detected from the chat template, see :class:`~selfspec.decoding.tool_grammar.CallFormat`), the
 grammar's forced continuation (markers, keys, punctuation, the rest of a uniquely determined tool
 name: jump-forward text) is tokenized with the target's tokenizer and drafted as a chain of
 point-mass children. The grammar advances only on committed (verified) text, never on drafts, and it constrains nothing: the verifier decides every
@@ -17,8 +17,8 @@ import copy
 
 from dataclasses import dataclass
 
-from ..tool_grammar import ToolCallTracker, call_format
-from ..tree import DraftTree, TreeBuilder
+from ..decoding.tool_grammar import ToolCallTracker, call_format
+from ..decoding.tree import DraftTree, TreeBuilder
 from .base import DraftContext, Drafter, Requirements, TargetSignature
 from .registry import config_from_options, register
 
@@ -34,7 +34,7 @@ class ToolDraftConfig:
             the one it emits).
 
         call_format: the model's call format: ``"auto"`` (detected from the tokenizer's chat
-            template) or a name in :data:`~selfspec.tool_grammar.CALL_FORMATS`.
+            template) or a name in :data:`~selfspec.decoding.tool_grammar.CALL_FORMATS`.
     """
 
     max_nodes: int = 16
@@ -42,7 +42,7 @@ class ToolDraftConfig:
     call_format: str = "auto"
 
     def __post_init__(self) -> None:
-        from ..tool_grammar import CALL_FORMATS
+        from ..decoding.tool_grammar import CALL_FORMATS
 
         if self.max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")

@@ -17,7 +17,7 @@ Metric conventions (per group of prompts, summed over the group's runs):
 * speedup = the method's tokens/s / the baseline's tokens/s on the same prompts (greedy: the same
   tokens, so a ratio of times; sampling: rates, since lengths differ);
 * MAT = new tokens / target passes (peers: passes of the full model, counted by a forward hook);
-* acceptance per depth: see :mod:`selfspec.metrics` (selfspec methods only);
+* acceptance per depth: see :mod:`selfspec.decoding.metrics` (selfspec methods only);
 * peak memory: the largest growth of the process's resident memory (CPU) or of allocated CUDA
   memory (GPU) during the run, over its value at the start, in MiB;
 * identical: the output equals the baseline's token for token;
@@ -105,7 +105,7 @@ class SelfspecMethod:
     """``selfspec.generate`` with a drafter or several (``None``: the baseline) under one
     :class:`~selfspec.control.Controller` kept across the benchmark's calls, as a server keeps
     one (``fixed``: every step drafts the whole trees); with ``prefix_cache`` a
-    :class:`~selfspec.prefix_cache.PrefixCache` per session (conversation), new at each
+    :class:`~selfspec.decoding.prefix_cache.PrefixCache` per session (conversation), new at each
     :meth:`new_session`, so later turns reuse the earlier turns' keys/values."""
 
     def __init__(self, drafter, fixed: bool = False, prefix_cache: bool = False):
@@ -120,7 +120,7 @@ class SelfspecMethod:
 
     def new_session(self) -> None:
         if self.prefix_cache:
-            from ..prefix_cache import PrefixCache
+            from ..decoding.prefix_cache import PrefixCache
 
             self.cache = PrefixCache()
 
@@ -310,7 +310,7 @@ def run(
     ``done``: records of an interrupted run; turns whose every method is recorded there are not
     run again (their stored baseline reply continues the conversation). ``on_turn`` receives each
     newly finished turn's records (to persist them). ``constrain(question)``: a fresh
-    :class:`~selfspec.constraint.Constraint` for every run (baseline included: constrained plain
+    :class:`~selfspec.decoding.constraint.Constraint` for every run (baseline included: constrained plain
     decoding is then the reference). Returns all records, ``done`` ones included.
     """
     runners = {name: m if callable(m) and not isinstance(m, Drafter) else SelfspecMethod(m)
@@ -714,7 +714,7 @@ def provenance() -> dict:
     import torch
     import transformers
 
-    from ..machine import cpu_label
+    from ..model.machine import cpu_label
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()

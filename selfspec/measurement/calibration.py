@@ -25,7 +25,7 @@ import selfspec
 from selfspec.chat import encode_chat
 from selfspec.checkpoint import CONFIG_FILE, CheckpointError, atomic_write_text
 from selfspec.control import ControlConfig, Controller, temperature_bucket
-from selfspec.target import context_length
+from selfspec.model.target import context_length
 
 from .workloads import calibration_prompts, heldout_chat_prompts
 

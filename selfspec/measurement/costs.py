@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from ..kv_cache import new_cache
-from ..lm_head import lm_logits
+from ..model.kv_cache import new_cache
+from ..model.lm_head import lm_logits
 
 
 def median_seconds(run, repeats: int, after=None) -> float:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from .costs import median_seconds
-from ..layer_slice import LayerSlice, num_layers
-from ..lm_head import lm_logits
+from ..model.layer_slice import LayerSlice, num_layers
+from ..model.lm_head import lm_logits
 
 
 @dataclass
@@ -61,7 +61,7 @@ def exit_acceptance(model, sequences: list[tuple[torch.Tensor, int]]) -> list[fl
 def level_costs(model, exits: list[int], tokens: int = 3, repeats: int = 5, context: int = 256) -> dict[int, float]:
     """Seconds of one drafting level (``tokens`` new tokens, a ``context``-token cache, LM head
     included) for each exit layer, measured on this machine (median of ``repeats``)."""
-    from ..kv_cache import new_cache
+    from ..model.kv_cache import new_cache
 
     device = next(model.parameters()).device
     vocab = model.config.get_text_config(decoder=True).vocab_size

@@ -138,7 +138,7 @@ class Divergence:
         rounding_gap: the largest difference, over those two tokens, between the sequential
             one-token passes' logits and those of the other schedules a run may compute them by:
             one batched pass over the sequence, and the engine's own tree passes
-            (:class:`~selfspec.target.TreeTarget`) over the generated tokens in chains of
+            (:class:`~selfspec.model.target.TreeTarget`) over the generated tokens in chains of
             :data:`CHAIN_SIZES` nodes (a verify pass has that many rows, and a kernel's blocking
             rounds each row count its own way). How far this dtype's rounding moves these logits
             here, on the kernels a speculative run uses.
@@ -164,10 +164,10 @@ CHAIN_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)  # verify-pass row counts the rou
 def _chained_logits(prefilled, seq: torch.Tensor, prompt_len: int, size: int) -> torch.Tensor:
     """Logits ``[V]`` (float32) predicting ``seq[-1]`` (``seq``: ``[L]``, the plain output up to
     that token) as a speculative run computes them: from ``prefilled``, a
-    :class:`~selfspec.target.TreeTarget` that prefilled ``seq[:prompt_len]`` (left untouched), the
+    :class:`~selfspec.model.target.TreeTarget` that prefilled ``seq[:prompt_len]`` (left untouched), the
     generated tokens passed as chains of ``size`` nodes (every node accepted), the last chain
     ending at the node that predicts ``seq[-1]``."""
-    from ..tree import TreeBuilder
+    from ..decoding.tree import TreeBuilder
 
     target = prefilled.fork()
     last, root = seq.shape[0] - 1, prompt_len - 1  # the node at index last - 1 predicts seq[last]
@@ -186,8 +186,8 @@ def _chained_logits(prefilled, seq: torch.Tensor, prompt_len: int, size: int) ->
 @torch.no_grad()
 def divergence(model, plain: torch.Tensor, spec: torch.Tensor, prompt_len: int) -> Divergence | None:
     """Diagnose the first difference of two greedy outputs ``[1, L]`` (``None`` if identical)."""
-    from ..lm_head import lm_logits
-    from ..kv_cache import new_cache
+    from ..model.lm_head import lm_logits
+    from ..model.kv_cache import new_cache
 
     a, b = plain[0].cpu(), spec[0].cpu()
     n = min(a.shape[0], b.shape[0])
@@ -207,7 +207,7 @@ def divergence(model, plain: torch.Tensor, spec: torch.Tensor, prompt_len: int) 
     top = sequential.topk(2)
     pair = top.indices
     gap = float((sequential[pair] - batched[pair]).abs().max())
-    from ..target import TreeTarget
+    from ..model.target import TreeTarget
 
     prefilled = TreeTarget(model)
     prefilled.prefill(a[:prompt_len])

@@ -40,8 +40,8 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.chat import encode_chat
-from selfspec.loading import DEFAULT_TARGET
-from selfspec.fingerprint import target_fingerprint
+from selfspec.model.loading import DEFAULT_TARGET
+from selfspec.model.fingerprint import target_fingerprint
 from selfspec.measurement.workloads import benchmark_prompts, load_bfcl, tool_system_message
 
 from selfspec.checkpoint import atomic_write_text

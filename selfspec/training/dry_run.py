@@ -46,7 +46,7 @@ def target_config(target: str):
     """The target's transformers config, offline: local files first, then :data:`KNOWN_TARGETS`."""
     from transformers import AutoConfig
 
-    from selfspec.loading import resolve
+    from selfspec.model.loading import resolve
 
     try:
         where, gguf = resolve(target)

@@ -74,7 +74,7 @@ def build_features(model, dataset, num_heads: int, *, max_len: int = 1024, dtype
                    progress: bool = True, exit_layer: int | None = None, first: int = 2) -> FeatureCache:
     """Run the frozen target once over every example and collect positions and labels (and the
     first ``exit_layer`` layers' outputs when given, through the same split inference uses)."""
-    from selfspec.layer_slice import LayerSlice, num_layers
+    from selfspec.model.layer_slice import LayerSlice, num_layers
 
     decoder = model.get_decoder()
     if exit_layer is not None:
@@ -113,7 +113,7 @@ def batch_features(model, examples, num_heads: int, *, max_len: int = 1024, dtyp
     training). Causal attention makes the padding invisible to the real positions, so the result
     equals :func:`build_features` up to float summation order (tested); ``example`` numbers the
     examples in the given order."""
-    from selfspec.layer_slice import LayerSlice, num_layers
+    from selfspec.model.layer_slice import LayerSlice, num_layers
 
     device = next(model.parameters()).device
     kept = [(e["prompt_ids"], (e["prompt_ids"] + e["response_ids"])[:max_len]) for e in examples]

@@ -76,7 +76,7 @@ def run(cfg: PipelineConfig, argv: list[str] | None = None, log=print) -> dict:
     import torch
 
     import selfspec
-    from selfspec.fingerprint import target_fingerprint
+    from selfspec.model.fingerprint import target_fingerprint
 
     state = process_state()
     out = Path(cfg.out)

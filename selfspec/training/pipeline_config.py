@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from selfspec.loading import DEFAULT_TARGET
+from selfspec.model.loading import DEFAULT_TARGET
 
 from .config import from_dict
 from .conversations import DataFile

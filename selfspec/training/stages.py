@@ -116,7 +116,7 @@ def _fitting(questions: list, model, tokenizer, new_tokens: int) -> list:
     """The questions whose first turn and answer fit the model's context (all, when it states none)."""
     from selfspec.chat import encode_chat
 
-    from selfspec.target import context_length
+    from selfspec.model.target import context_length
 
     limit = context_length(model)
     if not limit:

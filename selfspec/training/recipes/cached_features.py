@@ -29,7 +29,7 @@ import torch
 import selfspec
 from selfspec.drafters.layerskip import LayerSkipConfig
 from selfspec.drafters.medusa import MedusaConfig
-from selfspec.lm_head import lm_logits
+from selfspec.model.lm_head import lm_logits
 
 from ..batching import batch_at, length_buckets, load_distilled
 from ..features import IGNORE, FeatureCache, batch_features, build_features, label_counts
@@ -158,7 +158,7 @@ class CachedFeatureRecipe(TrainingRun):
         from safetensors import safe_open
         from safetensors.torch import load_file, save_file
 
-        from selfspec.fingerprint import target_fingerprint
+        from selfspec.model.fingerprint import target_fingerprint
 
         cfg = self.cfg
         key = json.dumps([target_fingerprint(self.model), str(cfg.dataset), len(self.dataset), cfg.kind,

@@ -7,7 +7,7 @@ Items are examples; the global batch of a step is one length bucket of at most
 ``tokens_per_batch`` padded tokens.
 
 Online features: every batch runs the frozen target once under ``torch.no_grad`` (in
-``target_dtype``), recording its taps (:mod:`selfspec.taps`) and its next-token law; nothing is
+``target_dtype``), recording its taps (:mod:`selfspec.model.taps`) and its next-token law; nothing is
 cached on disk, so the data may grow to millions of tokens.
 
 Loss: at unrolled step j (0-based) and chain t the head predicts token t + j + 2; the loss is the
@@ -30,8 +30,8 @@ import torch
 import selfspec
 from selfspec.drafters import save_drafter
 from selfspec.drafters.eagle3 import Eagle3Config
-from selfspec.lm_head import lm_logits
-from selfspec.taps import capture_taps
+from selfspec.model.lm_head import lm_logits
+from selfspec.model.taps import capture_taps
 
 from ..batching import batch_at, collate, held_out_dataset, length_buckets, load_distilled, split_examples
 from ..loop import OptimConfig, RunConfig, TrainingRun, check_dtype, check_example_limits, positive

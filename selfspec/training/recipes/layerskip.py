@@ -10,7 +10,7 @@ from dataclasses import asdict
 import torch
 
 from selfspec.drafters.layerskip import LayerSkipPolicy
-from selfspec.lm_head import lm_logits
+from selfspec.model.lm_head import lm_logits
 
 from ..features import FeatureCache
 from .cached_features import CachedFeatureRecipe, HeadsTrainConfig

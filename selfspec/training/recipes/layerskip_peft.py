@@ -19,7 +19,7 @@ import torch
 
 import selfspec
 from selfspec.drafters.layerskip import LayerSkipPolicy
-from selfspec.lm_head import lm_logits
+from selfspec.model.lm_head import lm_logits
 
 from ..batching import batch_at, collate, length_buckets, load_distilled, split_examples
 from ..loop import TrainingRun

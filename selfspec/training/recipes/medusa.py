@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import torch
 
-from selfspec.tree_search import best_tree, expected_accepted_length
+from selfspec.training.tree_search import best_tree, expected_accepted_length
 
 from .cached_features import CachedFeatureRecipe, HeadsTrainConfig
 

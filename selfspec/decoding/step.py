@@ -2,7 +2,7 @@
 
 Every way of decoding (``selfspec.generate`` on one prompt or several, ``stream``,
 ``custom_generate``, :class:`selfspec.batch.Pool`) runs :func:`step` on the requests a
-:class:`~selfspec.target.Target` holds:
+:class:`~selfspec.model.target.Target` holds:
 
 1. **draft**: each request's controller plans its arm (:meth:`~selfspec.control.Controller.plan`);
    every member drafts for all the rows that asked it in one
@@ -17,13 +17,13 @@ Every way of decoding (``selfspec.generate`` on one prompt or several, ``stream`
 
 Fault isolation: an exception raised by one request's own code (its drafter, constraint,
 processors, stopping criteria, streamer) ends that request with the error
-(:meth:`~selfspec.request.Request.fail`): its row commits nothing (``[]``: its cache slots roll
+(:meth:`~selfspec.decoding.request.Request.fail`): its row commits nothing (``[]``: its cache slots roll
 back) and every other row's step is exactly what it would have been. An exception in the pass
-itself rolls every row back (:meth:`~selfspec.target.Target.rollback`) and propagates: no
+itself rolls every row back (:meth:`~selfspec.model.target.Target.rollback`) and propagates: no
 request has changed, so the step can be run again.
 
 Exactness: a request's output depends only on its own prompt, settings, generator and its nodes'
-logits (see :mod:`selfspec.request`).
+logits (see :mod:`selfspec.decoding.request`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .control.budget import node_budget
+from ..control.budget import node_budget
 from .request import Request
 from .tree import DraftTree
 
@@ -68,7 +68,7 @@ def step(target, requests: list[Request], clock, *, cost=None, drafting: bool = 
     """Advance ``requests`` (row b of ``target`` is ``requests[b]``, none finished) by one step.
 
     Args:
-        target: a :class:`~selfspec.target.Target` holding exactly these rows.
+        target: a :class:`~selfspec.model.target.Target` holding exactly these rows.
         clock: seconds (the controllers' timings are read off it).
         cost: the controllers' shared :class:`~selfspec.control.CostModel`, told the pass's
             seconds (``None``: no controller).

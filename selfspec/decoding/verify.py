@@ -1,7 +1,7 @@
 """Exact verification of a draft tree against the target's logits.
 
 Terms (``docs/exactness.md``): ``p_u`` is the target law at node u after all logits
-processing (:func:`selfspec.sampling.target_probs`); an *accepted* token is a draft token that
+processing (:func:`selfspec.decoding.sampling.target_probs`); an *accepted* token is a draft token that
 passed its test; a *recovered* token is drawn from the residual after every child of a node was
 rejected; the *bonus* token is drawn from the full ``p_u`` of the node the walk ends on when that
 node has no children. Every step emits the accepted tokens plus exactly one recovered or bonus
@@ -159,7 +159,7 @@ def _child_laws(batch: TreeBatch, rows: torch.Tensor, parent: torch.Tensor, chil
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``[b]`` one token per row of ``probs`` ``[b, V]`` (:func:`selfspec.sampling.draw`)."""
+    """``[b]`` one token per row of ``probs`` ``[b, V]`` (:func:`selfspec.decoding.sampling.draw`)."""
     return draw(probs, generator)
 
 

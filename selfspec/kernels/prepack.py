@@ -33,7 +33,7 @@ from torch import nn
 def prepack_available(dtype: torch.dtype, device="cpu") -> bool:
     """Whether :func:`prepack_linears` can run here: a CPU bf16 model, oneDNN in this torch build,
     and native bf16 matmuls (AVX512-BF16 / AMX; elsewhere bf16 is emulated and packing is moot)."""
-    from .machine import bf16_is_fast
+    from ..model.machine import bf16_is_fast
 
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()

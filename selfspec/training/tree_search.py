@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
-from .tree import TreeTemplate
+from ..decoding.tree import TreeTemplate
 
 
 def path_value(path: Sequence[int], acc: Sequence[Sequence[float]]) -> float:

@@ -7,7 +7,7 @@ far worse than one, although the weights, which dominate, are read once either w
 with AVX2 but no AVX-512, a whole forward pass over a few new tokens is faster with the weight
 as the *left* operand, ``W @ x^T`` (a tall-skinny sgemm), than with ``nn.Linear``, and oneDNN with
 prepacked float32 weights falls in between (the measurements are in docs/decisions.md). The LM
-head already used this layout in :mod:`selfspec.lm_head`; this module extends it to the decoder's
+head already used this layout in :mod:`selfspec.model.lm_head`; this module extends it to the decoder's
 layers. No maintained library picks the operand order by row count for an unmodified
 transformers model in eager mode, hence this module.
 
@@ -45,7 +45,7 @@ def skinny_pays(dtype: torch.dtype, device="cpu", identity: dict | None = None) 
     """Whether :func:`selfspec.load_target` wraps by default: where it applies and was measured
     faster, a CPU with AVX2 but no AVX-512. With AVX-512 the row-major product is faster (the
     measurements for both are in docs/decisions.md)."""
-    from .machine import cpu_class
+    from ..model.machine import cpu_class
 
     return skinny_available(dtype, device) and cpu_class(identity) == "avx2"
 

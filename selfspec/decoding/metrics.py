@@ -21,7 +21,7 @@ class SpecStats:
     ``first_token_s`` is the time to first token (prefill + first step, which emitted
     ``first_step_tokens``); TPOT is the time per token after that step; ``plain_steps`` counts
     steps verified without a draft (the controller's plain arm, or nothing drafted);
-    ``prefix_reused`` the prompt positions taken from a :class:`~selfspec.prefix_cache.PrefixCache`.
+    ``prefix_reused`` the prompt positions taken from a :class:`~selfspec.decoding.prefix_cache.PrefixCache`.
     """
 
     steps: int = 0

@@ -6,14 +6,14 @@
 * ``forward_tree(tree)``: one forward over the flattened tree with a 4D additive attention mask
   (row i sees the committed prefix, its ancestors and itself) and ``position_ids = prefix_len +
   depth``; returns each node's logits (and last hidden state when asked);
-* ``commit(path)``: compacts the KV cache to the accepted path (see :mod:`selfspec.kv_cache`).
+* ``commit(path)``: compacts the KV cache to the accepted path (see :mod:`selfspec.model.kv_cache`).
 
 A layer-skip drafter that ran the target's own unmodified first E layers over every tree node (in
 flat order, writing their KV into this cache) hands over their outputs as a :class:`LayerHandoff`;
-``forward_tree`` then runs only layers E..L-1 (:mod:`selfspec.layer_slice`): same logits, E fewer
+``forward_tree`` then runs only layers E..L-1 (:mod:`selfspec.model.layer_slice`): same logits, E fewer
 layers per node.
 
-Masks: :mod:`selfspec.attention_mask`. No modeling code is copied or patched.
+Masks: :mod:`selfspec.model.attention_mask`. No modeling code is copied or patched.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .kv_cache import cache_length, keep_path, new_cache
 from .layer_slice import LayerSlice, num_layers, slices_compose
 from .lm_head import head_matches_forward, lm_logits
 from .taps import capture_taps
-from .tree import DraftTree
+from ..decoding.tree import DraftTree
 
 
 @dataclass
@@ -54,7 +54,7 @@ class TreeOutput:
             (``None`` for a prefill).
         hidden: ``[n, H]`` last (post-norm) hidden states, or ``None`` when not requested.
         taps: ``[n, len(taps) * H]`` the requested intermediate hidden states (see
-            :mod:`selfspec.taps`) of each node, or ``None``.
+            :mod:`selfspec.model.taps`) of each node, or ``None``.
     """
 
     logits: torch.Tensor | None
@@ -70,7 +70,7 @@ def context_length(model) -> int | None:
 def forward_model(model, decoder, inputs: dict, *, want_hidden: bool, taps: tuple[int, ...], logits: bool = True,
                   select: torch.Tensor | None = None) -> TreeOutput:
     """The one forward every target runs: the decoder then the model's LM head as its own matmul
-    when ``decoder`` is given (:func:`~selfspec.lm_head.head_matches_forward` proved it equal to the
+    when ``decoder`` is given (:func:`~selfspec.model.lm_head.head_matches_forward` proved it equal to the
     model's forward), the full forward otherwise. ``inputs``: the model's keyword arguments for
     ``[B, N]`` tokens. Returns flattened ``[B * N, ...]`` rows (``select``: only these flat rows),
     ``logits`` ``None`` when not asked (a prefill), ``hidden`` when ``want_hidden`` (with a
@@ -94,12 +94,12 @@ def forward_model(model, decoder, inputs: dict, *, want_hidden: bool, taps: tupl
 
 
 class Target(Protocol):
-    """What the decode step (:func:`selfspec.step.step`) needs from a target: draft trees of a
+    """What the decode step (:func:`selfspec.decoding.step.step`) needs from a target: draft trees of a
     set of rows (one sequence each) scored in one pass.
 
     Attributes:
         rows: rows held; ``lengths[b]`` row b's committed cache slots (its tokens but its root).
-        taps: tap indices recorded by every pass (:mod:`selfspec.taps`); ``device`` its device.
+        taps: tap indices recorded by every pass (:mod:`selfspec.model.taps`); ``device`` its device.
         supports_handoff: whether a drafter may run the target's first layers in ``cache`` (one
             row only) and hand them over (:class:`LayerHandoff`).
     """
@@ -144,7 +144,7 @@ class TreeTarget:
         self.reused = 0
         self._upper: dict[int, LayerSlice] = {}
         # Decoder + our own LM-head matmul when that provably equals the model's forward (faster
-        # for small trees on CPU, see selfspec.lm_head); the full forward otherwise.
+        # for small trees on CPU, see selfspec.model.lm_head); the full forward otherwise.
         self.decoder = model.get_decoder() if head_matches_forward(model) else None
 
     @property
@@ -192,7 +192,7 @@ class TreeTarget:
     def prefill(self, ids: torch.Tensor, prefix_cache=None) -> TreeOutput:
         """Cache ``ids[:-1]`` (``ids``: ``[L]``); the last token is the first root.
 
-        With a :class:`~selfspec.prefix_cache.PrefixCache`, the longest cached prefix's keys/values
+        With a :class:`~selfspec.decoding.prefix_cache.PrefixCache`, the longest cached prefix's keys/values
         (and taps) are copied in and only the rest is run; the prompt's state is stored back.
         ``self.reused`` says how many positions came from it.
 

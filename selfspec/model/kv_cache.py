@@ -2,7 +2,7 @@
 
 selfspec keeps a plain ``transformers.DynamicCache`` built *without* a config, so every layer
 (sliding-window ones included) stores the full history ``[batch, kv_heads, seq, head_dim]``;
-sliding windows are enforced by the attention mask instead (see :mod:`selfspec.target`). This
+sliding windows are enforced by the attention mask instead (see :mod:`selfspec.model.target`). This
 keeps one rule for every architecture: after a tree pass the cache holds ``prefix_len`` committed
 slots followed by the ``n`` tree nodes in flat order, and :func:`keep_path` gathers the accepted
 path into contiguous slots starting at ``prefix_len`` and drops the rest.

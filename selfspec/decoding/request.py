@@ -1,6 +1,6 @@
 """One request's decoding: its validated settings and the per-step logic of one sequence.
 
-The decode step (:func:`selfspec.step.step`) runs the same phases on every request of a pool:
+The decode step (:func:`selfspec.decoding.step.step`) runs the same phases on every request of a pool:
 
 1. :meth:`Request.context`: what its controller's drafters see (``None``: a plain step, when it
    has no controller or one token of budget left);
@@ -27,12 +27,12 @@ import weakref
 from dataclasses import dataclass
 import torch
 
-from .control import ControlConfig, Controller
-from .drafters.base import DraftContext, Drafter
+from ..control import ControlConfig, Controller
+from ..drafters.base import DraftContext, Drafter
 from .logits_processing import first_stop, process_tree
 from .metrics import SpecStats
 from .sampling import SamplingConfig
-from .target import context_length
+from ..model.target import context_length
 from .tree import DraftTree
 from .verify import Verdict, verify_tree
 
@@ -62,7 +62,7 @@ class Settings:
         max_new_tokens: most tokens to emit; ``eos``: stop token ids.
         context_limit: most positions prompt + output may fill.
         logits_processor / stopping_criteria: transformers lists (or ``None``); ``constraint``: a
-            :class:`~selfspec.constraint.Constraint`; ``tools``: validated tool definitions.
+            :class:`~selfspec.decoding.constraint.Constraint`; ``tools``: validated tool definitions.
     """
 
     cfg: SamplingConfig
@@ -130,7 +130,7 @@ class Request:
         self.start_s = clock()
 
     def prefilled(self, pre, want_taps: bool, now: float, reused: int = 0) -> None:
-        """After the prefill (``pre``: its :class:`~selfspec.target.TreeOutput`)."""
+        """After the prefill (``pre``: its :class:`~selfspec.model.target.TreeOutput`)."""
         self.root_hidden = pre.hidden[-1] if pre.hidden is not None else None
         self.taps = _TapBuffer(self.tokens.shape[0], pre.taps) if want_taps else None
         self.stats.prefill_time_s = now - self.start_s
@@ -293,7 +293,7 @@ def check_constraint(constraint) -> None:
     from .constraint import Constraint
 
     if constraint is not None and not isinstance(constraint, Constraint):
-        raise ValueError(f"constraint must be a selfspec.constraint.Constraint, got {type(constraint).__name__}")
+        raise ValueError(f"constraint must be a selfspec.decoding.constraint.Constraint, got {type(constraint).__name__}")
 
 
 def sampling(model, generation_config, temperature, top_k, top_p, max_new_tokens):

@@ -9,8 +9,8 @@ plain decoding (greedy: token for token; sampling: in law), whatever the drafts 
 constraint forbids has probability 0 and is rejected). The mask is applied before temperature,
 top-k and top-p, as structured-output engines do.
 
-:class:`ToolCallConstraint` is the grammar of one tool call (see :mod:`selfspec.tool_grammar`),
-in the model's own call format (:class:`~selfspec.tool_grammar.CallFormat`: markers such as
+:class:`ToolCallConstraint` is the grammar of one tool call (see :mod:`selfspec.decoding.tool_grammar`),
+in the model's own call format (:class:`~selfspec.decoding.tool_grammar.CallFormat`: markers such as
 ``<tool_call>\n`` / ``\n</tool_call>``, detected from the chat template by default), compiled by
 llguidance; end-of-sequence is allowed only once the call is complete.
 """
@@ -45,13 +45,13 @@ class ToolCallConstraint(Constraint):
     Args:
         tools: OpenAI-style or BFCL function list.
         tokenizer: the target's fast tokenizer.
-        call_format: a :class:`~selfspec.tool_grammar.CallFormat`, a name in ``CALL_FORMATS``, or
+        call_format: a :class:`~selfspec.decoding.tool_grammar.CallFormat`, a name in ``CALL_FORMATS``, or
             ``"auto"`` (from the tokenizer's chat template).
         vocab: the model's vocabulary size (default: the tokenizer's).
     """
 
     def __init__(self, tools, tokenizer, call_format="auto", vocab: int | None = None):
-        from .extras import need
+        from ..extras import need
 
         need("llguidance.hf", "tools", "a tool-call constraint")
         import llguidance

@@ -16,7 +16,7 @@ import weakref
 import torch
 from torch import nn
 
-from .skinny_linear import SkinnyLinear
+from ..kernels.skinny_linear import SkinnyLinear
 
 _CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 
@@ -32,7 +32,7 @@ def lm_logits(model, hidden: torch.Tensor, head: nn.Module | None = None) -> tor
             logits = (head.weight @ flat.T).T  # [N, V]: the fast layout for few rows
             if head.bias is not None:
                 logits = logits + head.bias
-        else:  # e.g. selfspec.prepack.PrepackedLinear: its own kernel is the fast one
+        else:  # e.g. selfspec.kernels.prepack.PrepackedLinear: its own kernel is the fast one
             logits = head(flat)
         logits = logits.reshape(*hidden.shape[:-1], -1)
     else:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .extras import need
+from ..extras import need
 
 from .machine import bf16_is_fast
 
@@ -99,7 +99,7 @@ def _decode_step_seconds(dtype, device: str, reps: int = 20, rows: int = 1, laye
     x, wq, wk, wg, wu, wd = rand(rows, 576), rand(576, 576), rand(192, 576), rand(1536, 576), rand(1536, 576), rand(576, 1536)
     kv, linear = rand(9, 300, 64), torch.nn.functional.linear
     head = torch.full((vocab, 576), 0.02, device=device, dtype=dtype)  # (values do not change the time; randn costs ~0.3 s)
-    from .prepack import PrepackedLinear, prepack_available
+    from ..kernels.prepack import PrepackedLinear, prepack_available
 
     if prepack_available(dtype, device):  # what load_target will run: weights packed once
         packed = {}
@@ -220,15 +220,15 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
         allow_download: ``None`` (default): as transformers does, download a hub id missing from
             the cache unless ``HF_HUB_OFFLINE`` is set; ``False``: the local cache only.
         prepack: reorder the linear layers' weights once into oneDNN's layout
-            (:mod:`selfspec.prepack`): a bf16 tree pass then costs about one decode step. Default:
+            (:mod:`selfspec.kernels.prepack`): a bf16 tree pass then costs about one decode step. Default:
             wherever it is available (a bf16 model on a CPU with native bf16); ``True`` where it
             is not raises.
         packed_attention: run tree passes of grouped-query models with the query heads packed
             per key/value head, as transformers already does for one token
-            (:mod:`selfspec.attention`: no copies of the cache per layer). Default: on a CPU, where
+            (:mod:`selfspec.kernels.attention`: no copies of the cache per layer). Default: on a CPU, where
             it was measured; plain decoding runs transformers' own path either way.
         skinny: compute float32 products of 2-16 rows (tree passes) with the weight as the left
-            operand (:mod:`selfspec.skinny_linear`; one row, a plain step, is unchanged). Default:
+            operand (:mod:`selfspec.kernels.skinny_linear`; one row, a plain step, is unchanged). Default:
             for a float32 model on a CPU with AVX2 but no AVX-512, where it was measured faster
             (``skinny_pays``; with AVX-512 it was measured slower); ``True`` forces it on any CPU,
             and raises for other dtypes or devices.
@@ -245,7 +245,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .prepack import prepack_available, prepack_linears
+    from ..kernels.prepack import prepack_available, prepack_linears
 
     unknown = set(from_pretrained_kwargs) - set(PRETRAINED_KWARGS)
     if unknown:
@@ -264,7 +264,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
     if prepack and not available:
         raise ValueError(f"prepack=True needs a bfloat16 model on a CPU with native bf16 matmuls and oneDNN; "
                          f"got {str(dtype).removeprefix('torch.')} on {device}")
-    from .skinny_linear import skinny_available, skinny_pays, use_skinny_linears
+    from ..kernels.skinny_linear import skinny_available, skinny_pays, use_skinny_linears
 
     if skinny and not skinny_available(dtype, device):
         raise ValueError(f"skinny=True needs a float32 model on a CPU; got {str(dtype).removeprefix('torch.')} on {device}")
@@ -312,7 +312,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, *, dtype: torch.dtype | str 
     if skinny or (skinny is None and skinny_pays(dtype, device)):
         use_skinny_linears(model)
     if packed_attention if packed_attention is not None else torch.device(device).type == "cpu":
-        from .attention import use_packed_attention
+        from ..kernels.attention import use_packed_attention
 
         use_packed_attention(model)
     return model, tokenizer
