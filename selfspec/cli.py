@@ -5,8 +5,8 @@
     selfspec train --model M --drafter eagle3                     distil, train, calibrate, benchmark, card: one command
     selfspec distill --config configs/distill/smollm2.yaml        self-distilled training data (one stage)
     selfspec train --config configs/eagle3/smollm2.yaml           train a drafter from a recipe config (one stage)
-    selfspec calibrate checkpoints/<head>                         measure a head's acceptance per depth (one stage)
-    selfspec export checkpoints/<head> --format eagle3 --out DIR  layouts vLLM / SGLang load
+    selfspec calibrate selfspec/checkpoints/<head>                         measure a head's acceptance per depth (one stage)
+    selfspec export selfspec/checkpoints/<head> --format eagle3 --out DIR  layouts vLLM / SGLang load
 
 ``selfspec <command> --help`` shows each command's options and a working example.
 """

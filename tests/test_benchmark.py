@@ -306,7 +306,7 @@ def test_docs_tables_match_their_result_files():
 
 
 def test_recommended_settings_are_the_fastest_in_their_result_files():
-    """The demo's default setting per model (checkpoints/recommended.json: a drafter and the dtype it
+    """The demo's default setting per model (selfspec/checkpoints/recommended.json: a drafter and the dtype it
     ran in) is, among the selfspec methods measured in every result file cited beside it, the one
     with the best geometric-mean speedup over those files, and within 10% of the best method of
     each file, or not clearly slower than it (the paired interval of a union against its member
@@ -379,15 +379,15 @@ def test_compare_times_a_reference_copy_in_the_same_alternation():
 
 def test_model_cards_match_their_checkpoints_and_result_files():
     """Every shipped checkpoint's README.md is what scripts/dev/model_card.py generates from its
-    drafter.json and the result files named in checkpoints/cards.json (no hand-typed numbers)."""
+    drafter.json and the result files named in selfspec/checkpoints/cards.json (no hand-typed numbers)."""
     import importlib.util
     import json
     import pathlib
 
     root = pathlib.Path(__file__).parents[1]
-    cards = json.loads((root / "checkpoints" / "cards.json").read_text(encoding="utf-8"))
-    shipped = {f"checkpoints/{p.parent.name}" for p in (root / "checkpoints").glob("*/drafter.json")}
-    assert shipped == set(cards), "every shipped checkpoint needs an entry in checkpoints/cards.json"
+    cards = json.loads((root / "selfspec" / "checkpoints" / "cards.json").read_text(encoding="utf-8"))
+    shipped = {f"selfspec/checkpoints/{p.parent.name}" for p in (root / "selfspec" / "checkpoints").glob("*/drafter.json")}
+    assert shipped == set(cards), "every shipped checkpoint needs an entry in selfspec/checkpoints/cards.json"
     spec = importlib.util.spec_from_file_location("model_card", root / "scripts" / "dev" / "model_card.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

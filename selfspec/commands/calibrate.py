@@ -1,6 +1,6 @@
 """Measure a drafter checkpoint's acceptance on held-out prompts and store it with the drafter.
 
-    selfspec calibrate checkpoints/smollm2-135m-instruct-eagle3 --prompts 4 --dry-run
+    selfspec calibrate selfspec/checkpoints/smollm2-135m-instruct-eagle3 --prompts 4 --dry-run
 
 Runs the drafter on every step over prompts it never trained on (:mod:`selfspec.measurement.calibration`),
 greedy and at ``--temperature``, and stores the acceptance per depth and sibling rank in the

@@ -1,7 +1,7 @@
 """Export a trained drafter checkpoint in the layout a serving engine loads.
 
-    selfspec export checkpoints/smollm2-135m-instruct-eagle3 --format eagle3 --out runs/export/eagle3
-    selfspec export checkpoints/smollm2-135m-instruct-medusa --format medusa --out runs/export/medusa
+    selfspec export selfspec/checkpoints/smollm2-135m-instruct-eagle3 --format eagle3 --out runs/export/eagle3
+    selfspec export selfspec/checkpoints/smollm2-135m-instruct-medusa --format medusa --out runs/export/medusa
 
 Then serve (GPU machines with vLLM / SGLang; the commands are in the README):
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "runs/export/eagle3", "num_speculative_tokens": 5}'

@@ -5,7 +5,7 @@
     selfspec generate --compare                              speed against plain decoding, side by side
 
 Defaults (``--drafter auto --dtype auto``): the drafter and target dtype measured fastest for the
-model (checkpoints/recommended.json). ``--compare`` times plain and speculative decoding side by side in
+model (selfspec/checkpoints/recommended.json). ``--compare`` times plain and speculative decoding side by side in
 this process (see selfspec/measurement/measure.py) and, when the dtype is not float32, plain float32
 decoding too (a faster dtype is not credited to speculation) with the float32 greedy identity check.
 """
@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="selfspec generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--drafter", default="auto",
-                    help="auto (the drafter measured fastest for the model, checkpoints/recommended.json; "
+                    help="auto (the drafter measured fastest for the model, selfspec/checkpoints/recommended.json; "
                          "else a shipped head + prompt lookup, else ngram), eagle3, medusa, layerskip, ngram[:opts], a+b unions, "
                          "a checkpoint folder, none")
     add_model_args(ap)

@@ -17,8 +17,9 @@ from .registry import kind_entry, kinds, register
 from .suffix import SuffixConfig, SuffixDrafter
 from .tool_schema import ToolCallDrafter, ToolDraftConfig
 
-#: Drafters trained for the packaged targets ship in the repository's checkpoints/ folder.
-SHIPPED_CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
+#: Drafters trained for the packaged targets ship as package data (``selfspec/checkpoints/``), so an
+#: installed wheel finds them as a checkout does.
+SHIPPED_CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
 def build_drafter(model, kind: str, **options) -> Drafter:
     """Build a drafter of ``kind`` for ``model``; unknown kinds or options raise ``ValueError``."""

@@ -29,7 +29,7 @@ def _geomean(values: list[float]) -> float:
 
 def recommended_entry(cfg, out: Path, bench: dict, dtype: str) -> dict:
     """The selfspec setting with the best geometric-mean speedup over the bench files (ties to the
-    simpler one), as a ``checkpoints/recommended.json``-style entry; plain decoding (``none``) when
+    simpler one), as a ``selfspec/checkpoints/recommended.json``-style entry; plain decoding (``none``) when
     no setting reaches a mean accepted length of :data:`NO_SPEEDUP_MAT`."""
     head = str(out / "drafter")
     specs = {cfg.drafter: head, "ngram": "ngram", f"{cfg.drafter}+ngram": f"{head}+ngram"}
