@@ -443,3 +443,14 @@ def test_compare_warms_up_each_drafter_before_timing(monkeypatch):
     assert [(d, c) for d, c, _ in seen[1:3]] == [(m, False) for m in members]  # each drafter, every step
     assert seen[3][0] is ctl and seen[3][2] == 4  # then the controller's own warm-up, then the timed runs
     assert [d for d, _, n in seen[4:]] == [None, ctl] and all(n == 6 for _, _, n in seen[4:])
+
+
+def test_method_names_are_parsed_in_one_place():
+    from selfspec.measurement.benchmark import MethodSpec
+
+    assert MethodSpec.parse("eagle3+ngram#fixed~cache%bfloat16") == MethodSpec("eagle3+ngram", fixed=True, cache=True,
+                                                                               dtype="bfloat16")
+    assert MethodSpec.parse("ngram#nogate") == MethodSpec("ngram", gate=False)
+    assert MethodSpec.parse("hf-prompt-lookup:10").peer and not MethodSpec.parse("none").peer
+    with pytest.raises(ValueError, match="selfspec methods"):
+        MethodSpec.parse("hf-greedy#fixed")

@@ -72,7 +72,6 @@ def parser() -> argparse.ArgumentParser:
                          "(grammar mask at every tree node; the baseline is constrained plain decoding)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--fixed", action="store_true", help="selfspec methods draft whole trees every step")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every turn's methods N times (order rotated between rounds) and keep each "
                          "method's median run: steadier ratios on a shared machine, at N times the cost")
@@ -143,18 +142,19 @@ def run(ap, args, argv) -> None:
         ap.error("no questions left to run (check --categories / --limit)")
     others: dict[str, object] = {}  # dtype -> another copy of the target, for `spec%dtype` methods
 
-    def method(spec: str):
-        spec, _, dtype = spec.partition("%")
-        if not dtype:
-            return benchmark.method_from_spec(model, spec, args.model, args.fixed, tokenizer)
-        if dtype not in others:
-            others[dtype] = load_model(args, dtype=dtype)[0]
-        return benchmark.OnModel(others[dtype], benchmark.method_from_spec(
-            others[dtype], spec, args.model, args.fixed, tokenizer))
+    def method(name: str):
+        spec = benchmark.MethodSpec.parse(name)
+        if spec.dtype is None:
+            return benchmark.method_from_spec(model, spec, args.model, tokenizer)
+        if spec.dtype not in others:
+            others[spec.dtype] = load_model(args, dtype=spec.dtype)[0]
+        return benchmark.OnModel(others[spec.dtype], benchmark.method_from_spec(
+            others[spec.dtype], spec, args.model, tokenizer))
 
     methods = {spec: method(spec) for spec in args.methods}
     partial = args.out + ".partial.jsonl" if args.out else None
-    settings = {k: vars(args)[k] for k in ("model", "max_new_tokens", "temperature", "fixed", "dtype", "constrain")}
+    settings = {k: vars(args)[k] for k in ("model", "max_new_tokens", "temperature", "dtype", "constrain")}
+    settings["fixed"] = False  # (whole trees every step is the method's own #fixed)
     if args.repeats != 1:  # (files written before --repeats existed resume as before)
         settings["repeats"] = args.repeats
     done = []
@@ -217,8 +217,9 @@ def throughput_main(args, argv, prov) -> None:
             if spec == "hf-greedy":
                 methods[spec] = "hf"
             else:  # "spec#nogate": the batch gate off (ControlConfig.batch_gate), to measure what it does
-                drafter = drafter_from_spec(model, spec.removesuffix("#nogate"), args.model, tokenizer)
-                config = ControlConfig(batch_gate=not spec.endswith("#nogate"))
+                parsed = benchmark.MethodSpec.parse(spec)
+                drafter = drafter_from_spec(model, parsed.drafter, args.model, tokenizer)
+                config = ControlConfig(batch_gate=parsed.gate, fixed=parsed.fixed)
                 methods[spec] = None if drafter is None else Controller(drafter, config)
         if args.batch_sizes:
             prompts = throughput.prompts_from(tokenizer, questions, max(max(args.batch_sizes), args.sweep_prompts))

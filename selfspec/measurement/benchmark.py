@@ -255,20 +255,50 @@ class PeakMemory:
 Method = Callable[..., RunResult]
 
 
-def method_from_spec(model, spec: str, target: str | None = None, fixed: bool = False, tokenizer=None) -> Method:
-    """``hf-greedy`` (plain ``generate``; sampling at T > 0), ``hf-prompt-lookup[:N]``,
-    ``hf-early-exit:E``, or any selfspec drafter spec (:func:`selfspec.drafters.drafter_from_spec`;
-    ``none`` = plain decoding); a selfspec spec ending in ``#fixed`` drafts the whole trees every
-    step (no controller decisions), one ending in ``~cache`` keeps a prefix KV cache per session."""
+@dataclass(frozen=True)
+class MethodSpec:
+    """A benchmark method name, parsed once: ``DRAFTER[#fixed][#nogate][~cache][%DTYPE]``.
+
+    Attributes:
+        drafter: a selfspec drafter spec (:func:`selfspec.drafters.drafter_from_spec`; ``none`` =
+            plain decoding) or a transformers peer (``hf-greedy``, ``hf-prompt-lookup[:N]``,
+            ``hf-early-exit:E``).
+        fixed: draft whole trees every step (no controller decisions).
+        gate: the batch gate on (``#nogate`` turns it off; throughput mode).
+        cache: keep a prefix KV cache per session (``~cache``).
+        dtype: run on another copy of the target loaded in this dtype (``%bfloat16``), against
+            plain decoding in the main dtype; ``None``: the main copy.
+    """
+
+    drafter: str
+    fixed: bool = False
+    gate: bool = True
+    cache: bool = False
+    dtype: str | None = None
+
+    @classmethod
+    def parse(cls, name: str) -> "MethodSpec":
+        spec, _, dtype = name.partition("%")
+        flags = {}
+        for suffix, key, value in (("~cache", "cache", True), ("#nogate", "gate", False), ("#fixed", "fixed", True)):
+            if spec.endswith(suffix):
+                spec, flags[key] = spec.removesuffix(suffix), value
+        if spec.startswith("hf-") and (flags.get("cache") or flags.get("fixed")):
+            raise ValueError(f"~cache and #fixed are for selfspec methods, not {spec}")
+        return cls(spec, dtype=dtype or None, **flags)
+
+    @property
+    def peer(self) -> bool:
+        return self.drafter.startswith("hf-")
+
+
+def method_from_spec(model, spec: "str | MethodSpec", target: str | None = None, tokenizer=None) -> Method:
+    """The method a :class:`MethodSpec` (or its name) names, on ``model`` (its ``dtype`` part is
+    the caller's: :class:`OnModel`)."""
     from ..drafters import drafter_from_spec
 
-    cache = spec.endswith("~cache")
-    spec = spec.removesuffix("~cache")
-    if spec.endswith("#fixed"):
-        spec, fixed = spec.removesuffix("#fixed"), True
-    if cache and spec.startswith("hf-"):
-        raise ValueError(f"~cache is for selfspec methods, not {spec}")
-    name, _, arg = spec.partition(":")
+    m = MethodSpec.parse(spec) if isinstance(spec, str) else spec
+    name, _, arg = m.drafter.partition(":")
     if name == "hf-greedy":
         return HFMethod({})
     if name == "hf-prompt-lookup":
@@ -277,7 +307,7 @@ def method_from_spec(model, spec: str, target: str | None = None, fixed: bool = 
         if not arg:
             raise ValueError("hf-early-exit needs an exit layer: hf-early-exit:8")
         return HFMethod({"assistant_early_exit": int(arg)})
-    return SelfspecMethod(drafter_from_spec(model, spec, target, tokenizer), fixed, prefix_cache=cache)
+    return SelfspecMethod(drafter_from_spec(model, m.drafter, target, tokenizer), m.fixed, prefix_cache=m.cache)
 
 
 def run(
@@ -546,11 +576,11 @@ def union_vs_members(records: list[Record]) -> list[dict]:
     methods = list(dict.fromkeys(r.method for r in records))
     out = []
     for m in methods:
-        spec, pct, dtype = m.partition("%")
-        if "+" not in spec or m.startswith("hf-"):
+        parsed = MethodSpec.parse(m)
+        if "+" not in parsed.drafter or parsed.peer:
             continue
-        for member in spec.split("+"):
-            name = member + pct + dtype
+        for member in parsed.drafter.split("+"):
+            name = member + ("" if parsed.dtype is None else f"%{parsed.dtype}")
             if name not in methods:
                 continue
             units = [u for u in _units(records).values() if m in u and name in u]
@@ -568,9 +598,9 @@ def against_plain_in_dtype(records: list[Record]) -> list[dict]:
     methods = list(dict.fromkeys(r.method for r in records))
     out = []
     for m in methods:
-        spec, pct, dtype = m.partition("%")
+        dtype = MethodSpec.parse(m).dtype
         plain = f"none%{dtype}"
-        if not pct or m == plain or plain not in methods:
+        if dtype is None or m == plain or plain not in methods:
             continue
         units = [u for u in _units(records).values() if m in u and plain in u]
         ra, rb = _rate([u[m] for u in units]), _rate([u[plain] for u in units])

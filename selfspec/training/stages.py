@@ -90,7 +90,7 @@ def _bench(cfg, out, model, tokenizer, tracking):
     results = out / "drafter" / "results"
     rows, t = {}, _tracker(tracking)
     for temperature in cfg.bench.temperatures:
-        methods = {name: benchmark.method_from_spec(model, spec, cfg.model, False, tokenizer) for name, spec in specs.items()}
+        methods = {name: benchmark.method_from_spec(model, spec, cfg.model, tokenizer) for name, spec in specs.items()}
         if temperature == 0:
             methods["hf-prompt-lookup"] = benchmark.method_from_spec(model, "hf-prompt-lookup", cfg.model)
         records = benchmark.run(model, tokenizer, questions, methods, max_new_tokens=cfg.bench.max_new_tokens,
