@@ -21,10 +21,19 @@ import random
 
 Cell = tuple[int, int, int, int, int]  # (member, key, depth, rank, temperature bucket)
 
+#: Upper edges of the temperature buckets above greedy: (0, 0.5], (0.5, 1], then above 1.
+BUCKET_EDGES = (0.5, 1.0)
+#: A rank's share of what the rank before it leaves, where nothing was measured (a guess that only
+#: seeds a prior: the counts take over after a few tests).
+RANK_DECAY = 0.5
+#: Measured rates are clamped to this range before they seed a prior (a prior at 0 or 1 would
+#: need unbounded evidence to move).
+RATE_RANGE = (0.01, 0.98)
+
 
 def temperature_bucket(temperature: float) -> int:
     """0 greedy, 1 for T in (0, 0.5], 2 for (0.5, 1], 3 above."""
-    return 0 if temperature <= 0 else 1 if temperature <= 0.5 else 2 if temperature <= 1.0 else 3
+    return 0 if temperature <= 0 else 1 if temperature <= BUCKET_EDGES[0] else 2 if temperature <= BUCKET_EDGES[1] else 3
 
 
 class AcceptanceModel:
@@ -44,8 +53,8 @@ class AcceptanceModel:
         table = (self.priors[member] or {}).get("greedy" if bucket == 0 else "sampled")
         if table and depth - 1 < len(table) and table[depth - 1]:
             row = table[depth - 1]
-            rate = row[rank] if rank < len(row) else (1 - row[-1]) * 0.5 ** (rank - len(row) + 1)
-            return float(min(0.98, max(0.01, rate)))
+            rate = row[rank] if rank < len(row) else (1 - row[-1]) * RANK_DECAY ** (rank - len(row) + 1)
+            return float(min(RATE_RANGE[1], max(RATE_RANGE[0], rate)))
         return None
 
     def posterior(self, cell: Cell) -> tuple[float, float]:
@@ -58,7 +67,7 @@ class AcceptanceModel:
         w = self.prior_weight
         base = self.measured(m, d, r, b)
         if base is None:
-            base = self.mean((m, key, d - 1, r, b)) if d > 1 else 0.5 * 0.5 ** r
+            base = self.mean((m, key, d - 1, r, b)) if d > 1 else RANK_DECAY ** (r + 1)
         hits, tests = self.pooled.get((m, d, r, b), (0.0, 0.0))
         prior = (base * w + hits) / (w + tests)
         hits, tests = self.counts.get(cell, (0.0, 0.0))
@@ -101,7 +110,7 @@ class AcceptanceModel:
             for r in range(ranks):
                 base = self.measured(member, d, r, bucket)
                 if base is None:
-                    base = out[-1][r] if out else 0.5 * 0.5 ** r
+                    base = out[-1][r] if out else RANK_DECAY ** (r + 1)
                 hits, tests = self.pooled.get((member, d, r, bucket), (0.0, 0.0))
                 row.append(round((base * w + hits) / (w + tests), 4))
             out.append(row)

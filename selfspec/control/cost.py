@@ -30,12 +30,20 @@ import torch
 
 #: Tree sizes (nodes, root included) the curve is measured at; others are interpolated.
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: Weight of the newest timing in the verify scale and the drafting seconds (moving averages).
+COST_EMA = 0.1
+#: A timing counts at most this many times the current estimate (one preempted step must not
+#: make a member or the pass look several times dearer for many steps).
+OUTLIER = 4.0
+#: A drafting call more than ``CATCH_UP_SLACK[0] * usual + CATCH_UP_SLACK[1]`` positions behind
+#: (``usual``: tokens a step commits) is a catch-up, timed apart from drafting.
+CATCH_UP_SLACK = (2, 2)
 
 
 class CostModel:
     """Verify seconds by tree size and drafting / catch-up seconds per member."""
 
-    def __init__(self, curve: dict[int, float], *, source: str = "given", ema: float = 0.1):
+    def __init__(self, curve: dict[int, float], *, source: str = "given", ema: float = COST_EMA):
         if not curve or any(n < 1 or s <= 0 for n, s in curve.items()):
             raise ValueError(f"a verify cost curve needs positive seconds for sizes >= 1, got {curve}")
         self.sizes = sorted(curve)
@@ -77,7 +85,7 @@ class CostModel:
         row's share of it, ``n`` nodes per row): moves the curve's scale."""
         self.verify_calls += 1
         ratio = seconds / max(self.verify(n, rows) / self.scale, 1e-9)
-        self.scale += max(self.ema, 1 / self.verify_calls) * (min(ratio, 4 * self.scale) - self.scale)
+        self.scale += max(self.ema, 1 / self.verify_calls) * (min(ratio, OUTLIER * self.scale) - self.scale)
 
     def record_draft(self, member: int, seconds: float, behind: int, usual: int, levels: int = 1) -> None:
         """One timed call that drafted ``levels`` levels (a model drafter runs about one call per
@@ -85,7 +93,7 @@ class CostModel:
         a step commits. A running mean over the first calls, then a moving average; a call far
         behind (a generation's first, or after steps the member did not draft) counts as catch-up."""
         levels = max(1, levels)
-        if behind > 2 * usual + 2:
+        if behind > CATCH_UP_SLACK[0] * usual + CATCH_UP_SLACK[1]:
             extra = max(0.0, seconds - self.draft_s.get(member, 0.0) * levels) / behind
             n = self.catch_up_calls[member] = self.catch_up_calls.get(member, 0) + 1
             old = self.catch_up_s.get(member, extra)
@@ -94,7 +102,7 @@ class CostModel:
         n = self.draft_calls[member] = self.draft_calls.get(member, 0) + 1
         per_level = seconds / levels
         old = self.draft_s.get(member, per_level)
-        self.draft_s[member] = old + max(self.ema, 1 / n) * (min(per_level, 4 * old + 1e-3) - old)
+        self.draft_s[member] = old + max(self.ema, 1 / n) * (min(per_level, OUTLIER * old + 1e-3) - old)
 
     @classmethod
     def flat(cls, seconds: float = 1.0) -> "CostModel":

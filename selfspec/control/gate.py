@@ -21,10 +21,14 @@ Exactness: a plain step is an exact step; the gate reads only clocks and token c
 from __future__ import annotations
 
 
+#: Weight of the newest step in the gate's tokens-per-second averages.
+GATE_EMA = 0.3
+
+
 class BatchGate:
     """Measured tokens per second of speculative and plain steps per batch size (module docstring)."""
 
-    def __init__(self, ema: float = 0.3):
+    def __init__(self, ema: float = GATE_EMA):
         self.ema = ema
         self.rate: dict[tuple[int, bool], float] = {}  # (rows, drafted) -> tokens per second
         self.wait: dict[int, int] = {}  # plain steps left before the next probe
