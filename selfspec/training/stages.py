@@ -67,7 +67,7 @@ def _calibrate(cfg, out, model, tokenizer, tracking):
     t = _tracker(tracking)
     for name in ("greedy", "sampled"):
         for depth, ranks in enumerate(record[name]):
-            t.log({f"calibrate/{name}_acceptance_rank0": ranks[0]}, step=depth + 1)
+            t.log({f"calibrate/{name}_acceptance_rank0": ranks[0]}, step=depth + 1, axis="calibrate/depth")
     t.close()
     return {"calibration": {k: record[k] for k in ("greedy", "sampled")}}
 

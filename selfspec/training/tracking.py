@@ -69,10 +69,18 @@ class Tracker:
 
             self._writer = SummaryWriter(log_dir=str(out / project))
 
-    def log(self, row: dict, step: int | None = None) -> None:
+    def log(self, row: dict, step: int | None = None, axis: str | None = None) -> None:
+        """Log the scalars of ``row`` at ``step``; with ``axis`` (e.g. ``"calibrate/depth"``) ``step``
+        is a value on that metric's own x axis (the row's prefix plotted against it), not the run's
+        step, so a stage's per-depth rows never go back on the run's step counter."""
         scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._run is not None:
-            self._run.log(scalars, step=step)
+            if axis is not None:
+                self._run.define_metric(axis)
+                self._run.define_metric(axis.rsplit("/", 1)[0] + "/*", step_metric=axis)
+                self._run.log(scalars | {axis: step})
+            else:
+                self._run.log(scalars, step=step)
         elif self._writer is not None:
             for k, v in scalars.items():
                 self._writer.add_scalar(k, v, step or 0)
