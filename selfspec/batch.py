@@ -215,8 +215,8 @@ class BatchTarget:
             for k, node in enumerate(path):
                 if self.lengths[b] + k != width + node:
                     rows.append(b), dst.append(self.lengths[b] + k), src.append(width + node)
-            self.lengths[b] += len(path)
-        new_width = self.width
+        lengths = [n + len(p) for n, p in zip(self.lengths, paths)]
+        new_width = max(lengths, default=0)
         index = [torch.tensor(v, dtype=torch.long) for v in (rows, dst, src)] if rows else None
         for layer in _layers(self.cache) or ():
             for name in ("keys", "values"):
@@ -225,6 +225,7 @@ class BatchTarget:
                     r, d, s = (v.to(t.device) for v in index)
                     t[r, :, d] = t[r, :, s]
                 setattr(layer, name, t[:, :, :new_width])
+        self.lengths = lengths
 
 
 def _layers(cache):
@@ -342,12 +343,14 @@ class Pool:
                 raise ValueError("prefix_cache takes a pool of one row (max_batch=1)")
             prefix_cache.check_model(model)
         self.model, self.max_batch, self.clock, self.prefix_cache = model, max_batch, clock, prefix_cache
+        self.lock = model_lock(model) if model is not None else contextlib.nullcontext()
         self.controller = controller_for(drafter, control)
         if self.controller is not None:
             if model is not None:
                 self.controller.check_target(model)
             if self.controller.cost is None:
-                self.controller.begin(model)  # the shared cost model, measured or cached once
+                with self.lock:  # (measuring the cost model runs the model)
+                    self.controller.cost = self.controller.measured_cost(model)
         needs = self.controller.requires if self.controller is not None else None
         if target is None:
             kind = TreeTarget if max_batch == 1 else BatchTarget
@@ -361,7 +364,6 @@ class Pool:
             self.gate = self.controller.gate
             self.gate.reset_warmth()
         self._count = itertools.count()
-        self.lock = model_lock(model) if model is not None else contextlib.nullcontext()
 
     def submit(self, input_ids, *, streamer=None, **options) -> Handle:
         """Queue one request: ``input_ids`` ``[L]`` / ``[1, L]`` and :func:`selfspec.generate`'s
@@ -392,7 +394,11 @@ class Pool:
         with self.lock:
             finished = self._admit()
             if self.running:
-                finished += self._step()
+                try:
+                    finished += self._step()
+                except BaseException:
+                    self._retire()  # (rows that finished or failed in the step leave; the rest are intact)
+                    raise
             return finished
 
     def run(self) -> list[Handle]:
@@ -402,6 +408,17 @@ class Pool:
             while not self.idle:
                 done += self.step()
         return done
+
+    def abandon(self, error: BaseException) -> None:
+        """End every waiting and running request with ``error`` (their controllers released, their
+        rows dropped): what a caller does when it gives the pool up after ``error``."""
+        with self.lock:
+            for h in list(self.waiting) + self.running:
+                h.request.fail(error)
+                self._finish(h)
+            self.waiting.clear()
+            self.running = []
+            self.target.keep([])
 
     def _admit(self) -> list[Handle]:
         """Admit waiting requests up to ``max_batch`` rows: one prefill pass over all of them."""
@@ -415,6 +432,13 @@ class Pool:
             except Exception as err:  # e.g. its controller is held by another generation
                 h.request.fail(err)
                 failed.append(h)
+            except BaseException:
+                h.request.release()
+                self.waiting.appendleft(h)
+                for j in reversed(joining):
+                    j.request.release()
+                    self.waiting.appendleft(j)
+                raise
         done = [self._finish(h) for h in failed]
         if not joining:
             return done
@@ -557,8 +581,18 @@ def generate_batch(model, prompts: list[torch.Tensor], *, drafter=None, control=
     raised, the first such error is raised once every other row has finished."""
     pool, handles = batch_pool(model, prompts, drafter=drafter, control=control, seed=seed, generator=generator,
                                streamers=streamers, **options)
-    pool.run()
+    run_to_end(pool)
     return BatchOutput([h.result() for h in handles], pool.stats)
+
+
+def run_to_end(pool: Pool) -> None:
+    """``pool.run()``; when it raises (a failed pass, an interrupt), every request left is ended
+    with that error, so no controller stays held by a pool nobody will step again."""
+    try:
+        pool.run()
+    except BaseException as err:
+        pool.abandon(err)
+        raise
 
 
 def batch_pool(model, prompts: list[torch.Tensor], *, drafter=None, control=None, seed=None, generator=None,

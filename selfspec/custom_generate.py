@@ -109,7 +109,7 @@ def custom_generate(drafter, *, control=None):
 def _batch(model, input_ids, mask, drafter, control, seed, logits_processor, stopping_criteria, generation_config,
            common) -> torch.Tensor:
     """Decode a ``[B, L]`` batch in one pool; ``model.generate``'s ``[B, L + new]`` layout."""
-    from .batch import Pool, split_prompts
+    from .batch import Pool, run_to_end, split_prompts
 
     rows = split_prompts(input_ids, mask)
     pool = Pool(model, drafter, control=control, max_batch=len(rows))
@@ -120,7 +120,7 @@ def _batch(model, input_ids, mask, drafter, control, seed, logits_processor, sto
         criteria = None if stopping_criteria is None else [RowView(c, given, n) for c in stopping_criteria]
         handles.append(pool.submit(ids, seed=seed + b, logits_processor=processors, stopping_criteria=criteria,
                                    **common))
-    pool.run()
+    run_to_end(pool)
     new = [h.result().sequences[0, r.shape[0]:].to(input_ids.device) for h, r in zip(handles, rows)]
     longest = max(t.shape[0] for t in new)
     pad = _pad_token(generation_config)

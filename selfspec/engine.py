@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .batch import BatchOutput, Pool, batch_pool, generate_batch, split_prompts
+from .batch import BatchOutput, Pool, batch_pool, generate_batch, run_to_end, split_prompts
 from .control import ControlConfig, Controller
 from .drafters.base import Drafter
 from .decoding.request import SpecOutput
@@ -131,7 +131,7 @@ def generate(
                               **options)
     pool, handle = _single(model, _one(input_ids, attention_mask), drafter, control, prefix_cache, streamer,
                            seed=seed, generator=generator, **options)
-    pool.run()
+    run_to_end(pool)
     out = handle.result()
     out.sequences = out.sequences.to(input_ids.device if torch.is_tensor(input_ids) else "cpu")
     return out
@@ -308,6 +308,8 @@ def _stream_work(ref, pool: Pool, handles: list, batch: bool, stop: threading.Ev
     except BaseException as exc:  # handed to the consumer
         error = exc
     finally:
+        if not pool.idle:  # (the consumer left, or a pass failed: no controller stays held)
+            pool.abandon(error or _Stopped())
         it = ref()
         if it is not None:
             if out is not None:

@@ -221,3 +221,54 @@ def test_a_stream_that_is_not_read_stops_after_a_bounded_number_of_steps():
     rest = [t for step in it for t in step]
     assert len(first) + len(rest) == 200
     assert it.output.sequences.shape[1] == len(PROMPTS[1]) + 200
+
+
+def test_a_controller_is_released_when_its_generation_is_abandoned():
+    """A pass that fails, or a stream dropped while its worker waits, ends every request: the
+    caller's own controller can run the next generation."""
+    from selfspec.control import Controller
+
+    model = tiny_model("llama", vocab=VOCAB)
+    ctl = Controller(selfspec.build_drafter(model, "ngram", min_ngram=1))
+    ids = torch.tensor(PROMPTS[0])
+    real = selfspec.batch.TreeTarget.forward_trees
+
+    def broken(self, trees, handoffs=None):
+        raise Boom("the pass failed")
+
+    selfspec.batch.TreeTarget.forward_trees = broken
+    try:
+        with pytest.raises(Boom):
+            selfspec.generate(model, ids, drafter=ctl, max_new_tokens=8, eos_token_id=[])
+    finally:
+        selfspec.batch.TreeTarget.forward_trees = real
+    assert not ctl._in_use.locked()
+    it = selfspec.stream(model, ids, drafter=ctl, max_new_tokens=200, eos_token_id=[])
+    next(it)
+    it.close()  # the worker was waiting on the full queue
+    assert not ctl._in_use.locked()
+    out = selfspec.generate(model, ids, drafter=ctl, max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(out.sequences[0], alone(model, PROMPTS[0], 8))
+
+
+def test_a_layer_skip_drafter_failing_after_writing_the_target_cache_fails_alone():
+    model = tiny_model("llama", vocab=VOCAB)
+    drafter = _drafters(model)["layerskip"]
+    calls = [0]
+    real = type(drafter).propose
+
+    def propose_then_fail(self, ctx):
+        out = real(self, ctx)  # its first layers' KV is in the target's cache now
+        calls[0] += 1
+        if calls[0] == 3:
+            raise Boom("after writing the cache")
+        return out
+
+    type(drafter).propose = propose_then_fail
+    try:
+        with pytest.raises(Boom):
+            selfspec.generate(model, torch.tensor(PROMPTS[0]), drafter=drafter, max_new_tokens=12, eos_token_id=[])
+    finally:
+        type(drafter).propose = real
+    out = selfspec.generate(model, torch.tensor(PROMPTS[0]), drafter=drafter, max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(out.sequences[0], alone(model, PROMPTS[0], 12))

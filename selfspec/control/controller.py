@@ -173,11 +173,16 @@ class Controller:
             m.reset()
         self.seen = [0] * len(self.members)
         if self.cost is None:
-            if model is None:
-                raise ValueError("a controller without a cost model needs the target model to measure one "
-                                 "(give cost=CostModel(...) for targets that are not transformers models)")
-            curve, source = verify_curve(model)
-            self.cost = CostModel(curve, source=source)
+            self.cost = self.measured_cost(model)
+
+    @staticmethod
+    def measured_cost(model) -> CostModel:
+        """A cost model from this machine's verify curve for ``model`` (cached or measured now)."""
+        if model is None:
+            raise ValueError("a controller without a cost model needs the target model to measure one "
+                             "(give cost=CostModel(...) for targets that are not transformers models)")
+        curve, source = verify_curve(model)
+        return CostModel(curve, source=source)
 
     def end(self, tokens, prompt_len: int) -> None:
         for m in self.members:

@@ -119,6 +119,7 @@ def step(target, requests: list[Request], clock, *, cost=None, drafting: bool = 
         except Exception as err:
             req.fail(err)
         except BaseException as err:  # every row still advances; then the interrupt goes on
+            req.fail(err)
             interrupt = interrupt or err
         if req.error is None:
             req.check_budget()
@@ -151,6 +152,7 @@ def _draft(target, requests: list[Request], clock, drafting: bool, budget: bool)
     results: list[list] = [[] for _ in requests]
     for m, asked in sorted(calls.items()):
         drafters = [requests[b].controller.members[m] for b, _ in asked]
+        coins = [mctx.generator.get_state() for _, mctx in asked]  # (a retry draws the same draft coins)
         t = clock()
         try:
             if len(asked) == 1:
@@ -158,16 +160,21 @@ def _draft(target, requests: list[Request], clock, drafting: bool, budget: bool)
             else:
                 proposals = type(drafters[0]).propose_many(drafters, [mctx for _, mctx in asked])
             spent = [(clock() - t) / len(asked)] * len(asked)
-        except Exception:  # find whose drafter raised: each row alone
-            proposals, spent = [], []
-            for (b, mctx), d in zip(asked, drafters):
-                t = clock()
-                try:
-                    proposals.append(d.propose(mctx))
-                except Exception as err:
-                    requests[b].fail(err)
-                    proposals.append(None)
-                spent.append(clock() - t)
+        except Exception as err:
+            if len(asked) == 1:
+                requests[asked[0][0]].fail(err)
+                proposals, spent = [None], [clock() - t]
+            else:  # find whose drafter raised: each row alone, from the coins it had
+                proposals, spent = [], []
+                for (b, mctx), d, state in zip(asked, drafters, coins):
+                    mctx.generator.set_state(state)
+                    t = clock()
+                    try:
+                        proposals.append(d.propose(mctx))
+                    except Exception as row_err:
+                        requests[b].fail(row_err)
+                        proposals.append(None)
+                    spent.append(clock() - t)
         for (b, _), proposal, s in zip(asked, proposals, spent):
             results[b].append((m, proposal, s))
     trees, handoffs = [], []
@@ -186,6 +193,8 @@ def _draft(target, requests: list[Request], clock, drafting: bool, budget: bool)
         if tree is None:
             tree = DraftTree.root_only(int(req.tokens[req.length - 1]))
             plans[b] = plan if req.error is None else None
+            if cache is not None and req.error is not None:  # its drafter may have written the target's cache
+                target.rollback()
         trees.append(tree)
         handoffs.append(handoff)
     if budget and rows > 1:

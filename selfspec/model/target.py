@@ -179,13 +179,21 @@ class TreeTarget:
         return [self.forward_tree(trees[0], handoffs[0] if handoffs else None)]
 
     def commit(self, paths: list[list[int]]) -> None:
-        """Keep the KV of the accepted ``paths[0]`` after the committed slots."""
+        """Keep the KV of the accepted ``paths[0]`` after the committed slots (``[]``: roll back)."""
         (path,) = paths
+        if not path:
+            self.rollback()
+            return
         keep_path(self.cache, self._prefix, path)
         self._prefix += len(path)
 
     def rollback(self) -> None:
-        keep_path(self.cache, self._prefix, [])
+        """Every layer back to the committed slots, whatever each holds beyond them (a drafter's
+        handoff writes only the first layers; a pass that failed part-way, some layers)."""
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False) and layer.keys.shape[-2] > self._prefix:
+                layer.keys = layer.keys[..., : self._prefix, :]
+                layer.values = layer.values[..., : self._prefix, :]
 
     # ------------------------------------------------------------------ one sequence
     @torch.no_grad()
