@@ -903,3 +903,27 @@ def test_exported_heads_import_and_draft_the_same(tmp_path, fmt):
     (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(CheckpointError, match="pickles"):
         load_drafter(pickled, model)
+
+
+def test_the_acceptance_loss_is_one_minus_the_t1_acceptance(tmp_path):
+    """``tv_weight`` a: each position's loss is (1 - a) soft cross-entropy + a (1 - sum min(p, q)),
+    so at a = 1 the per-step loss is one minus the held-out T = 1 acceptance statistic of the same
+    batch, and the term has a gradient (a head can be trained on it alone)."""
+    model = tiny_model("llama", layers=5)
+    _, recipe = _trained(model, tmp_path, steps=0)
+    batch = recipe.train_set[:4]
+    recipe.cfg.tv_weight = 1.0
+    total, per_step, stats = recipe._losses(batch)
+    for j, (_, accept, n) in enumerate(stats):
+        assert per_step[j] == pytest.approx(1 - accept / n, rel=1e-5)
+    total.backward()
+    assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in recipe.head.parameters())
+    recipe.cfg.tv_weight = 0.5
+    with torch.no_grad():
+        half = recipe._losses(batch)[1]
+        recipe.cfg.tv_weight = 0.0
+        soft = recipe._losses(batch)[1]
+    for j in range(len(half)):
+        assert half[j] == pytest.approx(0.5 * soft[j] + 0.5 * per_step[j], rel=1e-5)
+    with pytest.raises(ValueError, match="tv_weight"):
+        type(recipe.cfg)(tv_weight=-0.1)

@@ -59,6 +59,11 @@ class Eagle3TrainConfig:
             (positions whose greedy token is outside the draft vocabulary get the soft term
             only). Greedy verification accepts a draft exactly when it is that token; 0 (the
             default, every head so far) is pure distillation.
+        tv_weight: share ``a`` of an acceptance term in each step's loss: ``(1 - a)`` times the
+            loss above plus ``a`` times ``1 - sum_v min(p(v), q_j(v))``, the total-variation
+            distance over the draft vocabulary, which is one minus the probability that
+            verification at T = 1 accepts a draft sampled from ``q_j`` (p restricted, not
+            renormalised, as in the soft term). 0 (the default) leaves the loss unchanged.
         eval_fraction: share of examples held out for evaluation (when ``eval_dataset`` is unset).
         max_eval_examples: cap on held-out examples evaluated.
         eval_dataset: a distillation folder evaluated instead of a split of ``dataset``, which is
@@ -95,6 +100,7 @@ class Eagle3TrainConfig:
     ttt_steps: int = 3
     step_decay: float = 0.8
     hard_weight: float = 0.0
+    tv_weight: float = 0.0
     eval_fraction: float = 0.03
     max_eval_examples: int = 96
     eval_dataset: str | None = None
@@ -117,6 +123,8 @@ class Eagle3TrainConfig:
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
         if not 0.0 <= self.hard_weight <= 1.0:
             raise ValueError(f"hard_weight must be in [0, 1], got {self.hard_weight}")
+        if not 0.0 <= self.tv_weight <= 1.0:
+            raise ValueError(f"tv_weight must be in [0, 1], got {self.tv_weight}")
         if self.init not in ("exit", "random"):
             raise ValueError(f"init must be 'exit' or 'random', got {self.init!r}")
         check_dtype("target_dtype", self.target_dtype)
@@ -366,6 +374,9 @@ class Eagle3Recipe(TrainingRun):
                 hard = -logq.gather(-1, slot.clamp_min(0)[..., None])[..., 0]
                 w = self.cfg.hard_weight * (slot >= 0)
                 per = (1 - w) * per + w * hard
+            if self.cfg.tv_weight > 0:  # one minus the T = 1 acceptance of a draft from q
+                a = self.cfg.tv_weight
+                per = (1 - a) * per + a * (1 - torch.minimum(p, logq.exp()).sum(-1))
             n = valid.sum().clamp_min(1) if counts is None else max(1, counts[j])
             losses.append((per * valid).sum() / n)
             with torch.no_grad():
