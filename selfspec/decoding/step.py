@@ -152,7 +152,8 @@ def _draft(target, requests: list[Request], clock, drafting: bool, budget: bool)
     results: list[list] = [[] for _ in requests]
     for m, asked in sorted(calls.items()):
         drafters = [requests[b].controller.members[m] for b, _ in asked]
-        coins = [mctx.generator.get_state() for _, mctx in asked]  # (a retry draws the same draft coins)
+        # (a retry of several rows draws each row's same draft coins; one row is never retried)
+        coins = [mctx.generator.get_state() for _, mctx in asked] if len(asked) > 1 else None
         t = clock()
         try:
             if len(asked) == 1:
