@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,18 @@ def test_prompt_selection_is_seeded_and_holds_out_benchmark_prompts():
     assert collect_prompts(config(seed=1)) != a
 
 
+def test_the_task_family_source_covers_every_family_and_none_of_its_held_out_prompts():
+    from selfspec.measurement.workloads import load_spec_bench
+    picked = collect_prompts(DistillConfig(sources={"families": 10**6}, data_dir=str(DATA)))
+    rows = [json.loads(line) for line in open(DATA / "families" / "families_prompts.jsonl", encoding="utf-8")]
+    assert len(picked) == len(rows) and {p["source"] for p in picked} == {"families"}
+    families = {"translation", "summarization", "extraction", "qa", "code"}
+    assert {r["category"] for r in rows} == families
+    held = load_spec_bench(DATA / "heldout" / "families_heldout.jsonl")
+    assert {q.category for q in held} == families
+    assert not {t.strip() for q in held for t in q.turns} & {p["user"].strip() for p in picked}
+
+
 def test_distill_writes_a_dataset_and_resumes_from_shards(tmp_path):
     tok = tiny_tokenizer()
     model = tiny_model("llama", vocab=len(tok), dtype=torch.float32)
@@ -49,7 +62,6 @@ def test_distill_writes_a_dataset_and_resumes_from_shards(tmp_path):
 def _fixture(root: Path) -> Path:
     """A miniature of the shipped prompt sets (same formats) whose chat set repeats benchmark prompts."""
     import gzip
-    import json
 
     d = root / "data"
     (d / "bfcl").mkdir(parents=True)
@@ -141,7 +153,6 @@ def test_a_separate_window_is_held_out_without_any_prompt_trained_on():
 def test_a_shard_range_splits_one_window_into_held_out_and_training_answers(tmp_path):
     """``folder[a:b]`` reads shards a..b-1 in file-name order: ``[:2]`` and ``[2:]`` partition the
     window; a range past the finished shards, an empty one or a malformed one is refused."""
-    import json
 
     from selfspec.training.batching import load_distilled, shard_selection
 
@@ -176,7 +187,6 @@ def test_calibration_keeps_out_every_prompt_the_head_and_its_ancestors_trained_o
     every dataset in its lineage (a shard range keeps its window out but for the prompts answered only
     outside the range, the held-out shards); an absent ``runs/`` folder is traced to the distill config in
     configs/ that writes it; a dataset it cannot trace is refused, never silently ignored."""
-    import json
 
     
     data = _fixture(tmp_path)
@@ -227,7 +237,6 @@ def test_your_own_conversations_in_every_format_are_regenerated_turn_by_turn(tmp
     assistant turns are dropped and every turn is answered by the target after its own earlier
     answers (one example per assistant turn, the conversation so far as its prompt); resumable,
     keyed by the data's digest; bad records are refused by file and record."""
-    import json
 
     from datasets import Dataset
 

@@ -58,7 +58,8 @@ class DistillConfig:
 
     Attributes:
         sources: number of prompts per source (gsm8k, bfcl_simple, bfcl_multiple, humaneval,
-            mt_bench, chat, tools). A source listed with 0 takes none but still draws its seeded
+            mt_bench, chat, tools, families: translation, summarization, extraction, passage QA
+            and code, ``selfspec/prompts/families``). A source listed with 0 takes none but still draws its seeded
             order, so the orders of the sources after it stay those of a run that took some
             (needed for ``skip`` windows); an unlisted source draws nothing.
         data_dir: a folder laid out as :mod:`selfspec.prompts` (``None``: the shipped prompt sets).
@@ -138,7 +139,7 @@ class DistillJob:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 
 
-KNOWN_SOURCES = ("gsm8k", "bfcl_simple", "bfcl_multiple", "humaneval", "mt_bench", "chat", "tools")
+KNOWN_SOURCES = ("gsm8k", "bfcl_simple", "bfcl_multiple", "humaneval", "mt_bench", "chat", "tools", "families")
 
 
 def prompt_dir(data_dir: str | None) -> Path:
@@ -199,6 +200,11 @@ def collect_prompts(cfg: DistillConfig) -> list[dict]:
             rows = [json.loads(line) for line in f]
         out += [dict(source="tools", source_id=r["id"], system=tool_system_message(r["tools"]),
                      user=r["messages"][0]["content"]) for r in take(rows, n["tools"], "tools")]
+    if "families" in n:
+        with open(data / "families" / "families_prompts.jsonl", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f]
+        out += [dict(source="families", source_id=r["id"], system=None, user=r["messages"][0]["content"])
+                for r in take(rows, n["families"], "families")]
     for spec in cfg.data_files:
         conversations = load_conversations(spec)
         chosen = take(conversations, spec.limit or len(conversations), spec.path)
