@@ -104,7 +104,6 @@ class ControlConfig:
     seed: int = 0
     fixed: bool = False
     batch_gate: bool = True
-    sizing: str = "draws"
 
     def __post_init__(self) -> None:
         if not 0 < self.decay <= 1 or self.prior_weight <= 0 or self.max_nodes < 1:
@@ -227,10 +226,6 @@ class Controller:
             score, nodes, depth = self._score(arm, shape, rate, rows)
             if score > best_score:
                 best, best_score, budget, cap = a, score, nodes + 1, depth
-        if best and self.config.sizing == "means":  # the chosen arm sized by posterior means
-            _, nodes, cap = self._score(self.arms[best], self._shape(self.arms[best], state, bucket),
-                                        self.acceptance.mean, rows)
-            budget = nodes + 1
         return best, state, budget, cap
 
     def _rate(self, draws: dict):
@@ -240,9 +235,6 @@ class Controller:
                 draws[cell] = self.acceptance.draw(cell, self.rng)
             return draws[cell]
         return rate
-
-    def _sizing_rate(self, draws: dict):
-        return self.acceptance.mean if self.config.sizing == "means" else self._rate(draws)
 
     def _score(self, arm: tuple[int, ...], shape, rate, rows: int = 1) -> tuple[float, int, int]:
         """``(tokens per second, draft nodes, depth)`` of ``arm``'s tree ``shape`` sized with the
@@ -330,7 +322,7 @@ class Controller:
             if len(parts) > 1:
                 self.shapes[(arm, plan.state)] = (tree, sources)
             if handoff is None and not self.config.fixed:  # cut by this step's draws: nodes the
-                values = node_values(tree, sources, self._sizing_rate(plan.draws))  # means would cut get tested too
+                values = node_values(tree, sources, self._rate(plan.draws))  # means would cut get tested too
                 keep, _ = size_tree(tree, values, partial(self.cost.verify, rows=plan.rows), spent,
                                     self.config.max_nodes, cut_sampled=False)
                 tree, sources = subtree(tree, keep), [sources[i] for i in keep]
@@ -346,7 +338,7 @@ class Controller:
         tree = plan.tree
         if plan.handoff is not None or self.config.fixed or tree is None or tree.num_nodes == 1:
             return None
-        values = node_values(tree, plan.sources, self._sizing_rate(plan.draws))
+        values = node_values(tree, plan.sources, self._rate(plan.draws))
         sampled = pinned(tree)
         rest = set(range(1, tree.num_nodes)) - set(sampled)
         plan.order = sampled, take_order(tree, values, [0] + sampled, rest, len(rest))
