@@ -49,12 +49,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decoding.request import Request, SpecOutput, controller_for, model_lock
+from .decoding.arguments import controller_for
+from .decoding.request import Request, SpecOutput
 from .decoding.step import step, sync
 from .model.lm_head import head_matches_forward
 from .model.attention_mask import MaskBuilder
 from .model.kv_cache import new_cache
-from .model.target import TreeOutput, TreeTarget, forward_model
+from .model.target import TreeOutput, TreeTarget, forward_model, model_lock
 from .decoding.tree import DraftTree
 
 

@@ -29,7 +29,8 @@ def decode(target, ids, controller, cfg, gen, max_new_tokens, eos, context_limit
     import time
 
     from selfspec.batch import Pool
-    from selfspec.decoding.request import Request, Settings
+    from selfspec.decoding.arguments import Settings
+    from selfspec.decoding.request import Request
 
     request = Request(torch.as_tensor(ids), None, Settings(cfg, gen, max_new_tokens, set(eos), context_limit,
                                                             logits_processor, stopping_criteria, constraint, tools),

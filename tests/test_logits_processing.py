@@ -15,6 +15,7 @@ from transformers import GenerationConfig, LogitsProcessorList, RepetitionPenalt
 
 import selfspec
 import selfspec.decoding.logits_processing as lp
+import selfspec.decoding.arguments
 import selfspec.decoding.request
 from selfspec.drafters import build_drafter
 from stubs import decode
@@ -57,9 +58,9 @@ def test_the_models_generation_config_is_the_default_and_arguments_override_it()
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.8, top_k=5, max_new_tokens=12)
     out = selfspec.generate(model, IDS, seed=0, eos_token_id=[])
     assert out.sequences.shape[1] == IDS.shape[1] + 12
-    cfg, processors, n = selfspec.decoding.request.sampling(model, None, None, None, None, None)
+    cfg, processors, n = selfspec.decoding.arguments.sampling(model, None, None, None, None, None)
     assert cfg.temperature == 1.0 and [type(p).__name__ for p in processors] == ["TemperatureLogitsWarper", "TopKLogitsWarper"]
-    cfg, processors, n = selfspec.decoding.request.sampling(model, None, 0.0, None, None, 7)
+    cfg, processors, n = selfspec.decoding.arguments.sampling(model, None, 0.0, None, None, 7)
     assert cfg.greedy and processors == [] and n == 7
     greedy = selfspec.generate(model, IDS, temperature=0, max_new_tokens=12, eos_token_id=[])
     assert torch.equal(greedy.sequences, model.generate(IDS, do_sample=False, max_new_tokens=12, pad_token_id=0))

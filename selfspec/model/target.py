@@ -18,6 +18,8 @@ Masks: :mod:`selfspec.model.attention_mask`. No modeling code is copied or patch
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -272,3 +274,18 @@ class TreeTarget:
         Returns a tensor, or a ``{layer_type: tensor}`` mapping for models with typed layers.
         """
         return self.masks.tree(tree.ancestors(), tree.depths, prefix_len)
+
+
+_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model) -> threading.RLock:
+    """One lock per model object: generations on a shared model run one at a time (their tree
+    passes, tap hooks and layer slices touch the model), so concurrent callers get the outputs
+    of sequential runs."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
