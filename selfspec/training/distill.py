@@ -190,21 +190,21 @@ def collect_prompts(cfg: DistillConfig) -> list[dict]:
             rows = [json.loads(line) for line in f]
         out += [dict(source="mt_bench", source_id=str(r["question_id"]), system=None, user=r["turns"][0])
                 for r in take(rows, n["mt_bench"], "mt_bench")]
-    if "chat" in n:
-        with open(data / "chat_prompts.jsonl", encoding="utf-8") as f:
+    def first_turns(key: str, path: Path) -> list[dict]:  # a prompt set in the chat_prompts.jsonl format
+        with open(path, encoding="utf-8") as f:
             rows = [json.loads(line) for line in f]
-        out += [dict(source="chat", source_id=r["id"], system=None, user=r["messages"][0]["content"])
-                for r in take(rows, n["chat"], "chat")]
+        return [dict(source=key, source_id=r["id"], system=None, user=r["messages"][0]["content"])
+                for r in take(rows, n[key], key)]
+
+    if "chat" in n:
+        out += first_turns("chat", data / "chat_prompts.jsonl")
     if "tools" in n:
         with gzip.open(data / "tool_prompts.jsonl.gz", "rt", encoding="utf-8") as f:
             rows = [json.loads(line) for line in f]
         out += [dict(source="tools", source_id=r["id"], system=tool_system_message(r["tools"]),
                      user=r["messages"][0]["content"]) for r in take(rows, n["tools"], "tools")]
     if "families" in n:
-        with open(data / "families" / "families_prompts.jsonl", encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f]
-        out += [dict(source="families", source_id=r["id"], system=None, user=r["messages"][0]["content"])
-                for r in take(rows, n["families"], "families")]
+        out += first_turns("families", data / "families" / "families_prompts.jsonl")
     for spec in cfg.data_files:
         conversations = load_conversations(spec)
         chosen = take(conversations, spec.limit or len(conversations), spec.path)

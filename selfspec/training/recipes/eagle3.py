@@ -374,14 +374,16 @@ class Eagle3Recipe(TrainingRun):
                 hard = -logq.gather(-1, slot.clamp_min(0)[..., None])[..., 0]
                 w = self.cfg.hard_weight * (slot >= 0)
                 per = (1 - w) * per + w * hard
-            if self.cfg.tv_weight > 0:  # one minus the T = 1 acceptance of a draft from q
+            with torch.set_grad_enabled(self.cfg.tv_weight > 0 and torch.is_grad_enabled()):
+                accept = torch.minimum(p, logq.exp()).sum(-1)  # T = 1 acceptance of a draft from q
+            if self.cfg.tv_weight > 0:
                 a = self.cfg.tv_weight
-                per = (1 - a) * per + a * (1 - torch.minimum(p, logq.exp()).sum(-1))
+                per = (1 - a) * per + a * (1 - accept)
             n = valid.sum().clamp_min(1) if counts is None else max(1, counts[j])
             losses.append((per * valid).sum() / n)
             with torch.no_grad():
                 agree = head.draft_ids[logq.argmax(-1)] == greedy
-                accept = torch.minimum(p, logq.exp()).sum(-1)
+                accept = accept.detach()
                 stats.append((float((agree & valid).sum()), float((accept * valid).sum()), float(valid.sum())))
         weights = self.cfg.step_decay ** torch.arange(len(losses), dtype=torch.float32)
         total = sum(w * l for w, l in zip(weights.tolist(), losses)) / float(weights.sum())
